@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make quickstart` (the main job) and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test lint venv ui clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/dpivon sweep pipelines/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+ui: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
+
+clean:
+	rm -rf $(VENV) mlflow.db mlartifacts dpivon-runs

@@ -1,0 +1,324 @@
+"""The one training function: CLI runs, Ray trials and production jobs all call `train`.
+
+config -> data -> model -> privacy plan -> optimizer (+ Opacus) -> epochs -> metrics.
+Tracking is not done here: callers pass ``on_epoch_end`` (MLflow logging, Ray reports,
+checkpoints) and receive a `TrainResult`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpivon.config import TrainConfig
+from dpivon.data import DataSplits, load_splits
+from dpivon.errors import DpivonError
+from dpivon.evaluation import Evaluation, Posterior, evaluate
+from dpivon.metrics import ReliabilityDiagram, reliability_diagram
+from dpivon.models import build_model
+from dpivon.optim.ivon import IVON
+from dpivon.optim.registry import build_optimizer
+from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
+
+
+class TrainingDiverged(DpivonError):
+    """The loss became NaN or infinite."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by ``fail_at_epoch`` to exercise failure handling."""
+
+
+@dataclass
+class EpochReport:
+    """What callbacks see after each epoch; ``checkpoint()`` builds resumable state lazily."""
+
+    epoch: int
+    metrics: dict[str, float]
+    checkpoint: Callable[[], dict]
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    privacy: PrivacyPlan | None
+    epsilon_spent: float | None
+    steps: int
+    history: list[dict[str, float]]
+    val: dict[str, float]
+    test: dict[str, float] | None
+    test_reliability: ReliabilityDiagram | None
+    model: nn.Module
+    posterior: Posterior | None
+    wall_time_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float | int | str | None]:
+        """Flat, JSON-ready record of the run (the ``--json`` output)."""
+        c, plan = self.config, self.privacy
+        out: dict[str, float | int | str | None] = {
+            "optimizer": c.optimizer,
+            "model": c.model,
+            "dataset": c.dataset,
+            "epochs": c.epochs,
+            "lr": c.lr,
+            "target_epsilon": plan.target_epsilon if plan else None,
+            "epsilon_spent": self.epsilon_spent,
+            "delta": c.delta if plan else None,
+            "accountant": plan.accountant if plan else None,
+            "noise_multiplier": plan.noise_multiplier if plan else 0.0,
+            "sample_rate": plan.sample_rate if plan else None,
+            "steps": self.steps,
+            "max_grad_norm": c.max_grad_norm if plan else None,
+            "batch_size": c.batch_size,
+            "wall_time_s": self.wall_time_s,
+        }
+        out.update({f"val_{k}": v for k, v in self.val.items()})
+        if self.test is not None:
+            out.update({f"test_{k}": v for k, v in self.test.items()})
+        out.update(self.extra)
+        return {k: _json_number(v) for k, v in out.items()}
+
+
+def _json_number(value):
+    """JSON has no inf/NaN: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DpivonError(f"device {name!r} requested but CUDA is not available; use cpu or auto")
+    return torch.device(name)
+
+
+def load_data(config: TrainConfig) -> DataSplits:
+    return load_splits(
+        config.dataset,
+        data_path=config.data_path,
+        val_size=config.val_size,
+        per_class=config.per_class,
+        seed=config.seed,
+        synthetic_sizes=(config.synthetic_size, max(config.synthetic_size // 5, 10)),
+    )
+
+
+@dataclass
+class _Setup:
+    """The live training objects; ``model`` is the unwrapped network (shared parameters)."""
+
+    model: nn.Module
+    trained_module: nn.Module
+    optimizer: torch.optim.Optimizer
+    ivon: IVON | None
+    loader: DataLoader
+    private: PrivateTraining | None
+
+
+def _build(config: TrainConfig, data: DataSplits, device: torch.device) -> _Setup:
+    n_train = len(data.train)
+    if config.batch_size > n_train:
+        raise DpivonError(
+            f"batch size {config.batch_size} is larger than the training set ({n_train} "
+            "examples); lower --batch-size or use more data"
+        )
+    model = build_model(config.model).to(device)
+    plan = None
+    if config.is_private:
+        plan = plan_privacy(
+            target_epsilon=config.epsilon,
+            delta=config.delta,
+            max_grad_norm=config.max_grad_norm,
+            accountant=config.accountant,
+            dataset_size=n_train,
+            batch_size=config.batch_size,
+            epochs=config.epochs,
+        )
+    optimizer = build_optimizer(
+        config,
+        model.parameters(),
+        dataset_size=n_train,
+        grad_noise_std=plan.grad_noise_std if plan else 0.0,
+    )
+    ivon = optimizer if isinstance(optimizer, IVON) else None
+    if plan is None:
+        loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True)
+        return _Setup(model, model, optimizer, ivon, loader, None)
+    private = make_private(model, optimizer, data.train, plan, batch_size=config.batch_size)
+    return _Setup(model, private.model, private.optimizer, ivon, private.data_loader, private)
+
+
+def _lr_scheduler(config: TrainConfig, setup: _Setup) -> torch.optim.lr_scheduler.LambdaLR:
+    total = max(config.epochs * len(setup.loader), 1)
+    base = setup.ivon if setup.ivon is not None else setup.optimizer
+    if isinstance(base, torch.optim.Optimizer) and hasattr(base, "original_optimizer"):
+        base = base.original_optimizer
+    if config.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.LambdaLR(
+            base, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+        )
+    return torch.optim.lr_scheduler.LambdaLR(base, lambda step: 1.0)
+
+
+def _train_step(setup: _Setup, x: torch.Tensor, y: torch.Tensor, mc_samples: int) -> float:
+    """One optimizer step; for IVON, backprop at ``mc_samples`` posterior draws first."""
+    if setup.ivon is None:
+        setup.optimizer.zero_grad()
+        loss = F.cross_entropy(setup.trained_module(x), y)
+        loss.backward()
+        setup.optimizer.step()
+        return loss.item()
+    total = 0.0
+    for _ in range(mc_samples):
+        with setup.ivon.sampled_params(train=True):
+            setup.optimizer.zero_grad()
+            loss = F.cross_entropy(setup.trained_module(x), y)
+            loss.backward()
+        total += loss.item()
+    setup.optimizer.step()
+    return total / mc_samples
+
+
+def _checkpoint_state(epoch: int, setup: _Setup, scheduler, history: list[dict]) -> dict:
+    return {
+        "epoch": epoch,
+        "model": setup.model.state_dict(),
+        "optimizer": setup.optimizer.state_dict(),
+        "ivon_step": setup.ivon.current_step if setup.ivon is not None else None,
+        "scheduler": scheduler.state_dict(),
+        "accountant_history": list(setup.private.engine.accountant.history)
+        if setup.private
+        else None,
+        "torch_rng": torch.get_rng_state(),
+        "history": list(history),
+    }
+
+
+def _restore(state: dict, setup: _Setup, scheduler) -> tuple[int, list[dict]]:
+    setup.model.load_state_dict(state["model"])
+    setup.optimizer.load_state_dict(state["optimizer"])
+    if setup.ivon is not None:
+        setup.ivon.current_step = state["ivon_step"]
+    scheduler.load_state_dict(state["scheduler"])
+    if setup.private is not None:
+        setup.private.engine.accountant.history = list(state["accountant_history"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["epoch"], list(state["history"])
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    data: DataSplits | None = None,
+    on_epoch_end: Callable[[EpochReport], None] | None = None,
+    resume_state: dict | None = None,
+    evaluate_test: bool = True,
+    progress: bool = False,
+) -> TrainResult:
+    """Train ``config`` and evaluate it; see the module docstring for the pipeline."""
+    started = time.perf_counter()
+    seed_everything(config.seed)
+    device = resolve_device(config.device)
+    data = data if data is not None else load_data(config)
+    setup = _build(config, data, device)
+    scheduler = _lr_scheduler(config, setup)
+    first_epoch, history = 0, []
+    if resume_state is not None:
+        first_epoch, history = _restore(resume_state, setup, scheduler)
+    posterior = None
+    val: Evaluation | None = None
+
+    with _progress(progress) as bar:
+        task = bar.add_task(config.optimizer, total=config.epochs * len(setup.loader), status="")
+        bar.advance(task, first_epoch * len(setup.loader))
+        for epoch in range(first_epoch + 1, config.epochs + 1):
+            setup.trained_module.train()
+            losses, projected = [], []
+            for x, y in setup.loader:
+                loss = _train_step(setup, x.to(device), y.to(device), config.mc_samples)
+                if len(y) and not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"training diverged at epoch {epoch}: loss is {loss}; lower the "
+                        f"learning rate (lr={config.lr})"
+                    )
+                losses.append(loss)
+                projected.append(getattr(setup.ivon, "projected_fraction", 0.0))
+                scheduler.step()
+                bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
+
+            posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
+            val = evaluate(setup.model, data.val, posterior=posterior,
+                           bma_samples=config.bma_samples, n_bins=config.ece_bins,
+                           seed=config.seed)
+            metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
+            metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
+            if setup.private is not None:
+                metrics["epsilon_spent"] = setup.private.epsilon_spent()
+            if setup.ivon is not None:
+                metrics.update(setup.ivon.curvature_diagnostics())
+                if config.optimizer == "dp-ivon-gradsq":
+                    metrics["projected_fraction"] = float(np.mean(projected))
+            history.append(metrics)
+            bar.update(task, status=f"epoch {epoch} val acc {val.metrics['accuracy']:.3f}")
+            if on_epoch_end is not None:
+                on_epoch_end(EpochReport(
+                    epoch, metrics, lambda e=epoch: _checkpoint_state(e, setup, scheduler, history)
+                ))
+            if config.fail_at_epoch is not None and epoch >= config.fail_at_epoch:
+                raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
+
+    if val is None:  # resumed after the last epoch: evaluate the restored model
+        posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
+        val = evaluate(setup.model, data.val, posterior=posterior,
+                       bma_samples=config.bma_samples, n_bins=config.ece_bins, seed=config.seed)
+    test, diagram = None, None
+    if evaluate_test:
+        test_eval = evaluate(setup.model, data.test, posterior=posterior,
+                             bma_samples=config.bma_samples, n_bins=config.ece_bins,
+                             seed=config.seed)
+        test = test_eval.metrics
+        diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.ece_bins)
+    private = setup.private
+    return TrainResult(
+        config=config,
+        privacy=private.plan if private else None,
+        epsilon_spent=private.epsilon_spent() if private else None,
+        steps=private.steps_taken if private else config.epochs * len(setup.loader),
+        history=history,
+        val=val.metrics,
+        test=test,
+        test_reliability=diagram,
+        model=setup.model.cpu(),
+        posterior=posterior,
+        wall_time_s=time.perf_counter() - started,
+    )
