@@ -51,7 +51,7 @@ class TrainConfig(BaseModel):
     # data
     dataset: Literal["cifar10", "synthetic"] = "cifar10"
     data_path: str | None = None
-    val_size: int = 5000
+    val_size: int | None = None  # default: 5000 for cifar10, a tenth of synthetic_size
     per_class: int | None = None
     synthetic_size: int = 2000
     # model
@@ -98,11 +98,18 @@ class TrainConfig(BaseModel):
                 f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
             )
         filled = dict(data)
+        if filled.get("val_size") is None:
+            synthetic = filled.get("dataset") == "synthetic"
+            filled["val_size"] = (
+                int(filled.get("synthetic_size", 2000)) // 10 if synthetic else 5000
+            )
         fixed = OPTIMIZER_DEFAULTS[name].get("hess_approx")
         given = filled.get("hess_approx")
         if name in _FIXED_ESTIMATOR and given is not None and given != fixed:
-            raise ValueError(f"{name} uses the {fixed} estimator; hess_approx={given!r} "
-                             "contradicts it (use optimizer ivon to choose freely)")
+            raise ValueError(
+                f"{name} uses the {fixed} estimator; hess_approx={given!r} "
+                "contradicts it (use optimizer ivon to choose freely)"
+            )
         for key, value in OPTIMIZER_DEFAULTS[name].items():
             if filled.get(key) is None:
                 filled[key] = value
@@ -170,7 +177,9 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise DpivonError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+        raise DpivonError(
+            f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}"
+        ) from None
     if not isinstance(data, dict):
         raise DpivonError(f"{path} must hold a YAML mapping of keys to values")
     return data

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,14 @@ from dpivon.models import build_model
 from dpivon.optim.ivon import IVON
 from dpivon.optim.registry import build_optimizer
 from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
+
+# Known, understood warnings that would otherwise flood every run's output.
+for _message in (
+    "Secure RNG turned off",  # Opacus: fine for research; use secure_mode for release
+    "Optimal order is the largest alpha",  # RDP: harmless at these budgets
+    "Full backward hook is firing",  # torch: inputs need no grad, per-sample grads are exact
+):
+    warnings.filterwarnings("ignore", message=f".*{_message}")
 
 
 class TrainingDiverged(DpivonError):
@@ -277,9 +286,14 @@ def train(
                 bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
 
             posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
-            val = evaluate(setup.model, data.val, posterior=posterior,
-                           bma_samples=config.bma_samples, n_bins=config.ece_bins,
-                           seed=config.seed)
+            val = evaluate(
+                setup.model,
+                data.val,
+                posterior=posterior,
+                bma_samples=config.bma_samples,
+                n_bins=config.ece_bins,
+                seed=config.seed,
+            )
             metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
             metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
             if setup.private is not None:
@@ -291,21 +305,36 @@ def train(
             history.append(metrics)
             bar.update(task, status=f"epoch {epoch} val acc {val.metrics['accuracy']:.3f}")
             if on_epoch_end is not None:
-                on_epoch_end(EpochReport(
-                    epoch, metrics, lambda e=epoch: _checkpoint_state(e, setup, scheduler, history)
-                ))
+                on_epoch_end(
+                    EpochReport(
+                        epoch,
+                        metrics,
+                        lambda e=epoch: _checkpoint_state(e, setup, scheduler, history),
+                    )
+                )
             if config.fail_at_epoch is not None and epoch >= config.fail_at_epoch:
                 raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
 
     if val is None:  # resumed after the last epoch: evaluate the restored model
         posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
-        val = evaluate(setup.model, data.val, posterior=posterior,
-                       bma_samples=config.bma_samples, n_bins=config.ece_bins, seed=config.seed)
+        val = evaluate(
+            setup.model,
+            data.val,
+            posterior=posterior,
+            bma_samples=config.bma_samples,
+            n_bins=config.ece_bins,
+            seed=config.seed,
+        )
     test, diagram = None, None
     if evaluate_test:
-        test_eval = evaluate(setup.model, data.test, posterior=posterior,
-                             bma_samples=config.bma_samples, n_bins=config.ece_bins,
-                             seed=config.seed)
+        test_eval = evaluate(
+            setup.model,
+            data.test,
+            posterior=posterior,
+            bma_samples=config.bma_samples,
+            n_bins=config.ece_bins,
+            seed=config.seed,
+        )
         test = test_eval.metrics
         diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.ece_bins)
     private = setup.private

@@ -180,8 +180,9 @@ class IVON(torch.optim.Optimizer):
             params = group["params"]
             # One draw per group, split per parameter: the same numbers as ivon-opt's
             # flat buffer for the same seed.
-            z = torch.randn(sum(p.numel() for p in params), device=params[0].device,
-                            dtype=params[0].dtype)
+            z = torch.randn(
+                sum(p.numel() for p in params), device=params[0].device, dtype=params[0].dtype
+            )
             for p, z_p in zip(params, z.split([p.numel() for p in params]), strict=True):
                 state = self.state[p]
                 noise = z_p.view_as(p) * posterior_std(
@@ -218,7 +219,9 @@ class IVON(torch.optim.Optimizer):
         for _, p in self._params():
             state = self.state[p]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            curvature_input = state["noise"] * grad if self.hess_approx == "price" else grad.square()
+            curvature_input = (
+                state["noise"] * grad if self.hess_approx == "price" else grad.square()
+            )
             if count == 1:
                 state["avg_grad"] = grad.clone()
                 state["avg_curvature_input"] = curvature_input
@@ -262,18 +265,30 @@ class IVON(torch.optim.Optimizer):
         self._prepare_statistics()
         self.current_step += 1
         for group in self.param_groups:
-            lr = effective_lr(group["lr"], group["hess_init"], group["weight_decay"],
-                              self.rescale_lr)
+            lr = effective_lr(
+                group["lr"], group["hess_init"], group["weight_decay"], self.rescale_lr
+            )
             debias = momentum_debias(group["beta1"], self.current_step, self.debias)
             for p in group["params"]:
                 state = self.state[p]
                 hess_estimate = self._hessian_estimate(group, p)
-                state["momentum"] = momentum_update(state["momentum"], state["avg_grad"],
-                                                    group["beta1"])
-                state["hess"] = hessian_update(state["hess"], hess_estimate, group["beta2"],
-                                               group["weight_decay"])
-                p.copy_(mean_update(p, state["momentum"], state["hess"], lr,
-                                    group["weight_decay"], group["clip_radius"], debias))
+                state["momentum"] = momentum_update(
+                    state["momentum"], state["avg_grad"], group["beta1"]
+                )
+                state["hess"] = hessian_update(
+                    state["hess"], hess_estimate, group["beta2"], group["weight_decay"]
+                )
+                p.copy_(
+                    mean_update(
+                        p,
+                        state["momentum"],
+                        state["hess"],
+                        lr,
+                        group["weight_decay"],
+                        group["clip_radius"],
+                        debias,
+                    )
+                )
                 del state["avg_grad"], state["avg_curvature_input"]
         self._samples_collected = 0
         return loss
@@ -282,10 +297,12 @@ class IVON(torch.optim.Optimizer):
     def curvature_diagnostics(self) -> dict[str, float]:
         """Summary of the posterior: where h collapses, s = 1/sqrt(ess (h + delta)) blows up."""
         hess = torch.cat([self.state[p]["hess"].flatten() for _, p in self._params()])
-        std = torch.cat([
-            posterior_std(self.state[p]["hess"], g["ess"], g["weight_decay"]).flatten()
-            for g, p in self._params()
-        ])
+        std = torch.cat(
+            [
+                posterior_std(self.state[p]["hess"], g["ess"], g["weight_decay"]).flatten()
+                for g, p in self._params()
+            ]
+        )
         return {
             "hess_mean": hess.mean().item(),
             "hess_median": hess.median().item(),
@@ -320,8 +337,10 @@ class DPIVON(IVON):
         if grad_noise_std < 0:
             raise ValueError(f"grad_noise_std must be >= 0, got {grad_noise_std}")
         if self.hess_approx == "price" and self.mc_samples != 1:
-            raise ValueError("DP-IVON with the price estimator needs mc_samples=1: the "
-                             "private gradient is one average over all samples")
+            raise ValueError(
+                "DP-IVON with the price estimator needs mc_samples=1: the "
+                "private gradient is one average over all samples"
+            )
         self.grad_noise_std = grad_noise_std
         self.noise_correction = noise_correction
         self.projected_fraction = 0.0
@@ -376,13 +395,6 @@ class DPIVON(IVON):
         return {**super().curvature_diagnostics(), "projected_fraction": self.projected_fraction}
 
 
-def ivon_noise_std(noise_multiplier: float, max_grad_norm: float, expected_batch_size: float) -> float:
-    """Per-coordinate std of the noise in g_dp: sigma_p * C / b (Opacus divides by b)."""
-    if expected_batch_size <= 0:
-        raise ValueError("expected_batch_size must be positive")
-    return noise_multiplier * max_grad_norm / expected_batch_size
-
-
 __all__ = [
     "DPIVON",
     "HESSIAN_ESTIMATORS",
@@ -390,7 +402,6 @@ __all__ = [
     "effective_lr",
     "gradsq_hessian",
     "hessian_update",
-    "ivon_noise_std",
     "mean_update",
     "momentum_debias",
     "momentum_update",
@@ -398,4 +409,3 @@ __all__ = [
     "posterior_std",
     "price_hessian",
 ]
-

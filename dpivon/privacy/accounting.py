@@ -27,7 +27,9 @@ def calibrate_noise_multiplier(
     ``target_epsilon = inf`` means no noise."""
     check_budget(target_epsilon, delta)
     if accountant not in ACCOUNTANTS:
-        raise DpivonError(f"unknown accountant {accountant!r}; choose one of: {', '.join(ACCOUNTANTS)}")
+        raise DpivonError(
+            f"unknown accountant {accountant!r}; choose one of: {', '.join(ACCOUNTANTS)}"
+        )
     if math.isinf(target_epsilon):
         return 0.0
     try:
