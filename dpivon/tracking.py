@@ -22,7 +22,9 @@ import mlflow
 import numpy as np
 import torch
 from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
+from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
 
 from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
@@ -55,6 +57,15 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def _artifact_location(tracking_uri: str) -> str | None:
+    """Artifacts of a SQLite store go beside the database file (MLflow's own default is
+    ./mlruns of whatever directory the process runs in); a server decides for itself."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
+    return (database.parent / "mlartifacts").as_uri()
+
+
 class Tracker:
     """A thin, explicit-run-id layer over MlflowClient."""
 
@@ -65,7 +76,9 @@ class Tracker:
         self.client = MlflowClient(self.tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = (
-            existing.experiment_id if existing else self.client.create_experiment(experiment)
+            existing.experiment_id
+            if existing
+            else self.client.create_experiment(experiment, _artifact_location(self.tracking_uri))
         )
 
     def start_run(
@@ -185,6 +198,14 @@ class PosteriorClassifier(mlflow.pyfunc.PythonModel):
         return predict_bma(self.model, self.posterior, images, samples, generator=generator).numpy()
 
 
+def _model_signature(config: TrainConfig) -> ModelSignature:
+    return ModelSignature(
+        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, 32, 32))]),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 10))]),
+        params=ParamSchema([ParamSpec("bma_samples", "long", config.bma_samples)]),
+    )
+
+
 def log_model(
     tracker: Tracker,
     run_id: str,
@@ -201,6 +222,7 @@ def log_model(
                 name="model",
                 python_model=PosteriorClassifier(),
                 artifacts={"checkpoint": str(checkpoint)},
+                signature=_model_signature(config),
                 pip_requirements=["dpivon", "torch", "mlflow"],
             )
         # Resuming the run above ended it as FINISHED; the caller decides the final status.
@@ -211,7 +233,8 @@ def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bo
     """Final metrics, privacy facts, the reliability diagram and the model of a TrainResult."""
     summary = result.summary()
     tracker.log_params(run_id, {k: summary[k] for k in PRIVACY_PARAMS})
-    final = {k: v for k, v in summary.items() if isinstance(v, int | float) and k != "epochs"}
+    # Per-epoch values are already logged; the rest of the summary's numbers are params.
+    final = {k: v for k, v in summary.items() if k.startswith("test_") or k == "wall_time_s"}
     tracker.log_metrics(run_id, final, step=result.config.epochs)
     tracker.log_dict(run_id, summary, "summary.json")
     tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")

@@ -1,0 +1,257 @@
+"""The training function and the `dpivon train` CLI, end to end on synthetic data."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from dpivon.cli import app
+from dpivon.config import OPTIMIZER_NAMES, parse_config
+from dpivon.errors import DpivonError
+from dpivon.training import InjectedFailure, load_data, train
+
+SMALL = {
+    "dataset": "synthetic",
+    "synthetic_size": 600,
+    "model": "small-cnn",
+    "batch_size": 64,
+    "bma_samples": 4,
+}
+REQUIRED_KEYS = {
+    "optimizer",
+    "target_epsilon",
+    "epsilon_spent",
+    "delta",
+    "accountant",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "max_grad_norm",
+    "batch_size",
+    "val_accuracy",
+    "val_ece",
+    "test_accuracy",
+    "test_nll",
+    "test_ece",
+    "test_brier",
+    "mlflow_run_id",
+}
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=True)
+
+
+def small_flags(tmp_path) -> list[str]:
+    return [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "small-cnn",
+        "--batch-size",
+        "64",
+        "--bma-samples",
+        "4",
+        "--tracking-uri",
+        f"sqlite:///{tmp_path}/mlflow.db",
+    ]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZER_NAMES)
+def test_cli_trains_every_optimizer(tmp_path, optimizer):
+    out = tmp_path / "out.json"
+    result = cli(
+        "train",
+        *small_flags(tmp_path),
+        "--optimizer",
+        optimizer,
+        "--epsilon",
+        "8",
+        "--delta",
+        "1e-5",
+        "--epochs",
+        "1",
+        "--json",
+        str(out),
+        "--no-log-model",
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert REQUIRED_KEYS <= summary.keys()
+    assert summary["optimizer"] == optimizer
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and 0.0 <= summary["test_ece"] <= 1.0
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optimizer"] == optimizer
+    assert "val_accuracy" in run.data.metrics
+    if optimizer.startswith("dp-"):
+        assert 8.0 - 0.05 <= summary["epsilon_spent"] <= 8.0
+        assert summary["noise_multiplier"] > 0
+        assert float(run.data.params["noise_multiplier"]) == summary["noise_multiplier"]
+        assert len(client.get_metric_history(run.info.run_id, "epsilon_spent")) == 1
+    else:
+        assert summary["epsilon_spent"] is None and summary["noise_multiplier"] == 0.0
+
+
+def test_logged_model_reproduces_bma_predictions(tmp_path):
+    out = tmp_path / "out.json"
+    result = cli(
+        "train",
+        *small_flags(tmp_path),
+        "--optimizer",
+        "dp-ivon-gradsq",
+        "--epochs",
+        "2",
+        "--json",
+        str(out),
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    model = mlflow.pyfunc.load_model(f"runs:/{summary['mlflow_run_id']}/model")
+    data = load_data(parse_config({"dataset": "synthetic", "model": "small-cnn"}))
+    images, labels = data.test.tensors
+    probs = model.predict(images.numpy())
+    accuracy = float((probs.argmax(1) == labels.numpy()).mean())
+    assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-9)
+    # BMA differs from the mean prediction: the posterior really is in the model.
+    mean_probs = model.predict(images.numpy(), params={"bma_samples": 0})
+    assert not np.allclose(probs, mean_probs)
+
+
+def test_training_is_reproducible_and_resumable():
+    config = parse_config({**SMALL, "optimizer": "dp-ivon-gradsq", "epochs": 2})
+    data = load_data(config)
+    full = train(config, data=data, evaluate_test=False)
+    again = train(config, data=data, evaluate_test=False)
+    assert full.val == again.val
+
+    saved = {}
+
+    def keep(report):
+        saved[report.epoch] = report.checkpoint()
+
+    failing = config.model_copy(update={"fail_at_epoch": 1})
+    with pytest.raises(InjectedFailure):
+        train(failing, data=data, on_epoch_end=keep, evaluate_test=False)
+    resumed = train(config, data=data, resume_state=saved[1], evaluate_test=False)
+    assert resumed.steps == full.steps
+    assert resumed.epsilon_spent == pytest.approx(full.epsilon_spent)
+    for name, p in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], p)
+    assert resumed.val == pytest.approx(full.val)
+
+
+def test_failed_run_is_marked_failed(tmp_path):
+    config = tmp_path / "fail.yaml"
+    config.write_text(
+        yaml.safe_dump({**SMALL, "optimizer": "dp-sgd", "epochs": 2, "fail_at_epoch": 1})
+    )
+    result = cli(
+        "train", "--config", str(config), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"
+    )
+    assert result.exit_code != 0
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs(client.get_experiment_by_name("dpivon").experiment_id)
+    assert run.info.status == "FAILED"
+    assert "InjectedFailure" in run.data.tags["error"]
+    assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 1
+
+
+def _bad_layout(tmp_path):
+    (tmp_path / "notcifar" / "train").mkdir(parents=True)
+    return str(tmp_path / "notcifar")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--epsilon", "0"], "epsilon must be > 0"),
+        (["--epsilon", "-1"], "epsilon must be > 0"),
+        (["--delta", "1.5"], "delta must be in (0, 1)"),
+        (["--delta", "0.01"], "1/N"),
+        (["--batch-size", "0"], "batch_size must be >= 1"),
+        (["--batch-size", "100000"], "larger than the training set"),
+        (["--optimizer", "dp-lion"], "unknown optimizer 'dp-lion'"),
+        (["--model", "resnet-9000"], "unknown model 'resnet-9000'"),
+        (["--epsilon", "1e-9", "--epochs", "50"], "cannot be met"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(tmp_path, args, message):
+    result = cli("train", *small_flags(tmp_path), "--optimizer", "dp-sgd", "--epochs", "1", *args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert message in result.output
+    assert result.output.strip().startswith("error:") or "error:" in result.output
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"optimizer": "dp-sgd", "learning_rate": 0.1}, "learning_rate: unknown key"),
+        ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: Input should be a valid number"),
+        ({"optimizer": "dp-sgd", "epochs": [1, 2]}, "epochs"),
+    ],
+)
+def test_bad_yaml_config(tmp_path, config, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = cli("train", "--config", str(path))
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_malformed_yaml_and_missing_paths(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("optimizer: [dp-sgd\n")
+    result = cli("train", "--config", str(path))
+    assert result.exit_code == 2 and "not valid YAML" in result.output
+    result = cli("train", "--config", str(tmp_path / "absent.yaml"))
+    assert result.exit_code == 2 and "file not found" in result.output
+    result = cli("train", "--dataset", "cifar10", "--data-path", str(tmp_path / "nowhere.tgz"))
+    assert result.exit_code == 2 and "nowhere.tgz" in result.output
+    result = cli("train", "--dataset", "cifar10", "--data-path", _bad_layout(tmp_path))
+    assert result.exit_code == 2 and "notcifar" in result.output
+
+
+def test_unreachable_tracking_server(tmp_path):
+    result = cli(
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "small-cnn",
+        "--tracking-uri",
+        "http://127.0.0.1:9",
+    )
+    assert result.exit_code == 2
+    assert "cannot reach the MLflow tracking server" in result.output
+
+
+def test_non_private_optimizer_rejects_nothing_but_says_so(tmp_path):
+    result = cli(
+        "train",
+        *small_flags(tmp_path),
+        "--optimizer",
+        "sgd",
+        "--epsilon",
+        "8",
+        "--epochs",
+        "1",
+        "--no-log-model",
+    )
+    assert result.exit_code == 0
+    assert "not private" in result.output
+
+
+def test_config_rejects_contradicting_estimator():
+    with pytest.raises(DpivonError, match="gradsq estimator"):
+        parse_config({"optimizer": "dp-ivon-gradsq", "hess_approx": "price"})
