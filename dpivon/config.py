@@ -35,9 +35,9 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float | str]] = {
     "ivon": dict(lr=0.2, hess_approx="price", **_IVON_DEFAULTS),
     "dp-sgd": dict(lr=0.5, momentum=0.9, weight_decay=0.0),
     "dp-adam": dict(lr=2e-3, beta2=0.999, weight_decay=0.0),
-    "dp-ivon-gradsq": dict(lr=2.0, hess_approx="gradsq", **_IVON_DEFAULTS),
-    "dp-ivon-gradsq-uncorrected": dict(lr=2.0, hess_approx="gradsq", **_IVON_DEFAULTS),
-    "dp-ivon": dict(lr=2.0, hess_approx="price", **_IVON_DEFAULTS),
+    "dp-ivon-gradsq": dict(lr=3.0, hess_approx="gradsq", **_IVON_DEFAULTS),
+    "dp-ivon-gradsq-uncorrected": dict(lr=3.0, hess_approx="gradsq", **_IVON_DEFAULTS),
+    "dp-ivon": dict(lr=3.0, hess_approx="price", **_IVON_DEFAULTS),
 }
 # The private IVON variants are defined by their estimator; only plain IVON may choose.
 _FIXED_ESTIMATOR = {"dp-ivon-gradsq", "dp-ivon-gradsq-uncorrected", "dp-ivon"}
@@ -162,27 +162,34 @@ def parse_config(data: dict[str, Any], source: str = "config") -> TrainConfig:
         raise DpivonError(f"invalid {source}: {format_validation_error(err)}") from None
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Read a YAML training config (as written by ``dpivon export``), apply overrides."""
-    data = read_yaml_mapping(path)
-    return parse_config({**data, **(overrides or {})}, source=f"config {path}")
+def load_configs(path: str | Path, overrides: dict[str, Any] | None = None) -> list[TrainConfig]:
+    """Read a YAML training config, or a list of them (as ``dpivon export`` writes),
+    applying ``overrides`` to each."""
+    data = _read_yaml(path)
+    documents = data if isinstance(data, list) else [data]
+    if not documents or not all(isinstance(d, dict) for d in documents):
+        raise DpivonError(f"{path} must hold a mapping of config keys, or a list of them")
+    return [parse_config({**d, **(overrides or {})}, source=f"config {path}") for d in documents]
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise DpivonError(f"{path} must hold a YAML mapping of keys to values")
+    return data
+
+
+def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise DpivonError(f"file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise DpivonError(
-            f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}"
-        ) from None
-    if not isinstance(data, dict):
-        raise DpivonError(f"{path} must hold a YAML mapping of keys to values")
-    return data
+        problem = getattr(err, "problem", err)
+        raise DpivonError(f"{path} is not valid YAML{where}: {problem}") from None
 
 
 def format_validation_error(err: ValidationError) -> str:

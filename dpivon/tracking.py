@@ -21,7 +21,7 @@ from typing import Any
 import mlflow
 import numpy as np
 import torch
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
@@ -74,6 +74,7 @@ class Tracker:
         check_tracking_server(self.tracking_uri)
         mlflow.set_tracking_uri(self.tracking_uri)
         self.client = MlflowClient(self.tracking_uri)
+        self.experiment_name = experiment
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = (
             existing.experiment_id
@@ -214,6 +215,7 @@ def log_model(
     posterior: Posterior | None,
 ) -> None:
     """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model"."""
+    status = tracker.run_status(run_id)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
         save_checkpoint(checkpoint, config, model, posterior)
@@ -225,8 +227,8 @@ def log_model(
                 signature=_model_signature(config),
                 pip_requirements=["dpivon", "torch", "mlflow"],
             )
-        # Resuming the run above ended it as FINISHED; the caller decides the final status.
-        tracker.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+    # Resuming the run above ended it as FINISHED: put back the status it had.
+    tracker.client.update_run(run_id, status=status)
 
 
 def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bool = True) -> None:

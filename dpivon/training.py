@@ -132,7 +132,7 @@ def load_data(config: TrainConfig) -> DataSplits:
 
 
 @dataclass
-class _Setup:
+class TrainingSetup:
     """The live training objects; ``model`` is the unwrapped network (shared parameters)."""
 
     model: nn.Module
@@ -143,7 +143,7 @@ class _Setup:
     private: PrivateTraining | None
 
 
-def _build(config: TrainConfig, data: DataSplits, device: torch.device) -> _Setup:
+def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
     n_train = len(data.train)
     if config.batch_size > n_train:
         raise DpivonError(
@@ -171,12 +171,12 @@ def _build(config: TrainConfig, data: DataSplits, device: torch.device) -> _Setu
     ivon = optimizer if isinstance(optimizer, IVON) else None
     if plan is None:
         loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True)
-        return _Setup(model, model, optimizer, ivon, loader, None)
+        return TrainingSetup(model, model, optimizer, ivon, loader, None)
     private = make_private(model, optimizer, data.train, plan, batch_size=config.batch_size)
-    return _Setup(model, private.model, private.optimizer, ivon, private.data_loader, private)
+    return TrainingSetup(model, private.model, private.optimizer, ivon, private.data_loader, private)
 
 
-def _lr_scheduler(config: TrainConfig, setup: _Setup) -> torch.optim.lr_scheduler.LambdaLR:
+def _lr_scheduler(config: TrainConfig, setup: TrainingSetup) -> torch.optim.lr_scheduler.LambdaLR:
     total = max(config.epochs * len(setup.loader), 1)
     base = setup.ivon if setup.ivon is not None else setup.optimizer
     if isinstance(base, torch.optim.Optimizer) and hasattr(base, "original_optimizer"):
@@ -188,7 +188,7 @@ def _lr_scheduler(config: TrainConfig, setup: _Setup) -> torch.optim.lr_schedule
     return torch.optim.lr_scheduler.LambdaLR(base, lambda step: 1.0)
 
 
-def _train_step(setup: _Setup, x: torch.Tensor, y: torch.Tensor, mc_samples: int) -> float:
+def train_step(setup: TrainingSetup, x: torch.Tensor, y: torch.Tensor, mc_samples: int) -> float:
     """One optimizer step; for IVON, backprop at ``mc_samples`` posterior draws first."""
     if setup.ivon is None:
         setup.optimizer.zero_grad()
@@ -207,7 +207,7 @@ def _train_step(setup: _Setup, x: torch.Tensor, y: torch.Tensor, mc_samples: int
     return total / mc_samples
 
 
-def _checkpoint_state(epoch: int, setup: _Setup, scheduler, history: list[dict]) -> dict:
+def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list[dict]) -> dict:
     return {
         "epoch": epoch,
         "model": setup.model.state_dict(),
@@ -222,7 +222,7 @@ def _checkpoint_state(epoch: int, setup: _Setup, scheduler, history: list[dict])
     }
 
 
-def _restore(state: dict, setup: _Setup, scheduler) -> tuple[int, list[dict]]:
+def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[dict]]:
     setup.model.load_state_dict(state["model"])
     setup.optimizer.load_state_dict(state["optimizer"])
     if setup.ivon is not None:
@@ -259,7 +259,7 @@ def train(
     seed_everything(config.seed)
     device = resolve_device(config.device)
     data = data if data is not None else load_data(config)
-    setup = _build(config, data, device)
+    setup = build_training(config, data, device)
     scheduler = _lr_scheduler(config, setup)
     first_epoch, history = 0, []
     if resume_state is not None:
@@ -274,7 +274,7 @@ def train(
             setup.trained_module.train()
             losses, projected = [], []
             for x, y in setup.loader:
-                loss = _train_step(setup, x.to(device), y.to(device), config.mc_samples)
+                loss = train_step(setup, x.to(device), y.to(device), config.mc_samples)
                 if len(y) and not math.isfinite(loss):
                     raise TrainingDiverged(
                         f"training diverged at epoch {epoch}: loss is {loss}; lower the "
@@ -297,7 +297,10 @@ def train(
             metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
             metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
             if setup.private is not None:
-                metrics["epsilon_spent"] = setup.private.epsilon_spent()
+                plan = setup.private.plan
+                metrics.update(epsilon_spent=setup.private.epsilon_spent(),
+                               noise_multiplier=plan.noise_multiplier,
+                               sample_rate=plan.sample_rate, steps=setup.private.steps_taken)
             if setup.ivon is not None:
                 metrics.update(setup.ivon.curvature_diagnostics())
                 if config.optimizer == "dp-ivon-gradsq":

@@ -26,9 +26,7 @@ N_IN, N_HIDDEN, N_OUT = 4, 6, 3
 
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(N_IN, N_HIDDEN), nn.Tanh(), nn.Linear(N_HIDDEN, N_OUT)
-    ).to(DTYPE)
+    return nn.Sequential(nn.Linear(N_IN, N_HIDDEN), nn.Tanh(), nn.Linear(N_HIDDEN, N_OUT)).to(DTYPE)
 
 
 def noise_std(noise_multiplier, max_grad_norm, expected_batch_size):
@@ -96,9 +94,7 @@ def run_ours(kwargs, batches, seed):
 
 def assert_trajectories_match(ours, reference, atol=1e-6):
     assert len(ours) == len(reference)
-    for step, ((p, h, m), (p_ref, h_ref, m_ref)) in enumerate(
-        zip(ours, reference, strict=True)
-    ):
+    for step, ((p, h, m), (p_ref, h_ref, m_ref)) in enumerate(zip(ours, reference, strict=True)):
         torch.testing.assert_close(p, p_ref, atol=atol, rtol=0, msg=f"params, step {step}")
         torch.testing.assert_close(h, h_ref, atol=atol, rtol=1e-6, msg=f"hess, step {step}")
         torch.testing.assert_close(m, m_ref, atol=atol, rtol=0, msg=f"momentum, step {step}")
@@ -111,8 +107,13 @@ def assert_trajectories_match(ours, reference, atol=1e-6):
 @pytest.mark.parametrize("mc_samples", [1, 2])
 def test_ivon_matches_ivon_opt_step_for_step(hess_approx, mc_samples):
     kwargs = dict(
-        lr=0.1, ess=32.0, hess_init=0.5, beta2=0.9, weight_decay=1e-3,
-        mc_samples=mc_samples, hess_approx=hess_approx,
+        lr=0.1,
+        ess=32.0,
+        hess_init=0.5,
+        beta2=0.9,
+        weight_decay=1e-3,
+        mc_samples=mc_samples,
+        hess_approx=hess_approx,
     )
     batches = make_batches(6)
     reference = run_reference(kwargs, batches, seed=7)
@@ -127,8 +128,17 @@ def test_ivon_matches_ivon_opt_step_for_step(hess_approx, mc_samples):
 
 def test_ivon_constructor_keywords_compatible_with_ivon_opt():
     kwargs = dict(
-        lr=0.05, ess=32.0, hess_init=0.3, beta1=0.8, beta2=0.95, weight_decay=1e-3,
-        mc_samples=2, hess_approx="price", clip_radius=1e-3, sync=False, debias=False,
+        lr=0.05,
+        ess=32.0,
+        hess_init=0.3,
+        beta1=0.8,
+        beta2=0.95,
+        weight_decay=1e-3,
+        mc_samples=2,
+        hess_approx="price",
+        clip_radius=1e-3,
+        sync=False,
+        debias=False,
         rescale_lr=False,
     )
     reference_opt = ivon.IVON(make_model().parameters(), **kwargs)
@@ -156,8 +166,13 @@ def test_sampled_params_draws_from_the_posterior():
     model = make_model()
     ess, weight_decay = 64.0, 1e-3
     opt = IVON(
-        model.parameters(), lr=0.1, ess=ess, hess_init=0.5, beta2=0.5,
-        weight_decay=weight_decay, hess_approx="gradsq",
+        model.parameters(),
+        lr=0.1,
+        ess=ess,
+        hess_init=0.5,
+        beta2=0.5,
+        weight_decay=weight_decay,
+        hess_approx="gradsq",
     )
     torch.manual_seed(0)
     for x, y in make_batches(3):
@@ -202,6 +217,51 @@ def test_sampled_params_eval_restores_mean_and_collects_nothing():
     assert torch.equal(flat(model.parameters()), mean)
 
 
+def test_eval_sample_between_training_samples_is_not_collected():
+    """A sampled_params(train=False) block (e.g. a BMA prediction) between the training
+    samples of a step leaves the step unchanged, whatever gradient it leaves behind."""
+    x, y = make_batches(1)[0]
+    results = []
+    for with_eval_block in (False, True):
+        model = make_model()
+        opt = IVON(model.parameters(), lr=0.1, ess=16.0, hess_approx="price")
+        torch.manual_seed(0)
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+        if with_eval_block:
+            with opt.sampled_params(train=False):
+                opt.zero_grad()
+                (100.0 * model(x).square().sum()).backward()
+        opt.step()
+        results.append(flat(model.parameters()))
+    assert torch.equal(results[0], results[1])
+
+
+def test_dpivon_step_without_collected_sample_raises():
+    """Like IVON, DPIVON must refuse to step when no backward ran inside
+    ``sampled_params(train=True)``: otherwise it silently trains at the mean (gradsq) or
+    reuses the posterior noise of an earlier step in the price estimator."""
+    x, y = make_batches(1)[0]
+    for hess_approx in ("gradsq", "price"):
+        model = GradSampleModule(make_model())
+        opt = DPIVON(
+            model.parameters(), lr=0.1, ess=16.0, grad_noise_std=0.0, hess_approx=hess_approx
+        )
+        dp_opt = DPOptimizer(
+            opt, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=len(x)
+        )
+        torch.manual_seed(0)
+        ivon_step(opt, model, x, y, 1, zero_grad=dp_opt.zero_grad)
+        dp_opt.step()  # a proper step first, so that stale state exists
+        start = flat(model.parameters()).clone()
+        dp_opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # at the mean, not at a posterior sample
+        with pytest.raises(RuntimeError, match="sampled_params"):
+            dp_opt.step()
+        assert torch.equal(flat(model.parameters()), start)
+
+
 # --- 2. DPIVON without noise or clipping is IVON-gradsq -----------------------------------
 
 
@@ -210,7 +270,9 @@ def run_dpivon_fixed_batch(kwargs, batches, seed, noise_multiplier=0.0, max_grad
     model = GradSampleModule(make_model())
     opt = DPIVON(model.parameters(), **kwargs)
     dp_opt = DPOptimizer(
-        opt, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        opt,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
         expected_batch_size=len(batches[0][0]),
     )
     torch.manual_seed(seed)
@@ -266,14 +328,12 @@ def run_mc_mean_reference(kwargs, batches, seed):
 
 
 def test_dpivon_without_noise_mc2_matches_ivon_on_the_mc_mean_gradient():
-    kwargs = dict(lr=0.1, ess=16.0, hess_init=0.5, beta2=0.9, hess_approx="gradsq",
-                  mc_samples=2)
+    kwargs = dict(lr=0.1, ess=16.0, hess_init=0.5, beta2=0.9, hess_approx="gradsq", mc_samples=2)
     batches = make_batches(5)
     private, _ = run_dpivon_fixed_batch(
         {**kwargs, "grad_noise_std": 0.0, "noise_correction": True}, batches, seed=13
     )
-    assert_trajectories_match(private, run_mc_mean_reference(kwargs, batches, seed=13),
-                              atol=1e-10)
+    assert_trajectories_match(private, run_mc_mean_reference(kwargs, batches, seed=13), atol=1e-10)
     # Against ivon-opt's gradsq (MC mean of squares): the gradient path is identical, so the
     # first momentum matches; the Hessian differs by ess * Var_s(g) only.
     reference = run_reference(kwargs, batches, seed=13)
@@ -287,7 +347,9 @@ def test_dpivon_without_noise_mc2_matches_ivon_on_the_mc_mean_gradient():
 def one_private_step(opt, model, x, y, noise_multiplier, max_grad_norm):
     """One DPOptimizer step; returns (raw mean gradient at the sample, g_dp) per param."""
     dp_opt = DPOptimizer(
-        opt, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        opt,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
         expected_batch_size=len(x),
     )
     with opt.sampled_params(train=True):
@@ -304,8 +366,13 @@ def test_dpivon_momentum_is_built_from_the_private_gradient():
     model = GradSampleModule(make_model())
     start = flat(model.parameters()).clone()
     opt = DPIVON(
-        model.parameters(), lr=lr, ess=16.0, hess_init=hess_init, beta1=beta1,
-        weight_decay=weight_decay, grad_noise_std=noise_std(1.0, 0.01, 16),
+        model.parameters(),
+        lr=lr,
+        ess=16.0,
+        hess_init=hess_init,
+        beta1=beta1,
+        weight_decay=weight_decay,
+        grad_noise_std=noise_std(1.0, 0.01, 16),
         hess_approx="gradsq",
     )
     x, y = make_batches(1)[0]
@@ -346,8 +413,14 @@ def test_dpivon_hessian_and_projected_fraction_from_g_dp(noise_correction):
     std = noise_std(noise_multiplier, max_grad_norm, batch)
     model = GradSampleModule(make_model())
     opt = DPIVON(
-        model.parameters(), lr=0.05, ess=ess, hess_init=hess_init, beta2=beta2,
-        weight_decay=weight_decay, grad_noise_std=std, hess_approx="gradsq",
+        model.parameters(),
+        lr=0.05,
+        ess=ess,
+        hess_init=hess_init,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        grad_noise_std=std,
+        hess_approx="gradsq",
         noise_correction=noise_correction,
     )
     x, y = make_batches(1, batch_size=batch)[0]
@@ -364,7 +437,8 @@ def test_dpivon_hessian_and_projected_fraction_from_g_dp(noise_correction):
         v_hat = g_dp.square()
     h_hat = ess * v_hat
     expected_hess = (
-        beta2 * hess_init + (1 - beta2) * h_hat
+        beta2 * hess_init
+        + (1 - beta2) * h_hat
         + 0.5 * (1 - beta2) ** 2 * (hess_init - h_hat).square() / (hess_init + weight_decay)
     )
     hess = ours_state(opt, "hess")
@@ -372,7 +446,10 @@ def test_dpivon_hessian_and_projected_fraction_from_g_dp(noise_correction):
 
     diagnostics = opt.curvature_diagnostics()
     assert set(diagnostics) == {
-        "hess_mean", "hess_median", "posterior_std_median", "projected_fraction"
+        "hess_mean",
+        "hess_median",
+        "posterior_std_median",
+        "projected_fraction",
     }
     assert all(math.isfinite(v) for v in diagnostics.values())
     assert diagnostics["projected_fraction"] == opt.projected_fraction
@@ -393,7 +470,10 @@ def test_projected_fraction_tracks_the_noise_level():
     for noise_multiplier in (0.0, 1e3):
         model = GradSampleModule(make_model())
         opt = DPIVON(
-            model.parameters(), lr=0.05, ess=16.0, hess_approx="gradsq",
+            model.parameters(),
+            lr=0.05,
+            ess=16.0,
+            hess_approx="gradsq",
             grad_noise_std=noise_std(noise_multiplier, 1.0, len(x)),
         )
         torch.manual_seed(0)
@@ -450,8 +530,14 @@ def test_build_optimizer_returns_the_named_optimizer(name):
 
 def test_build_optimizer_passes_ivon_options():
     config = TrainConfig(
-        optimizer="ivon", dataset="synthetic", hess_approx="gradsq", ess=1000.0,
-        mc_samples=3, clip_radius=0.5, debias=False, rescale_lr=False,
+        optimizer="ivon",
+        dataset="synthetic",
+        hess_approx="gradsq",
+        ess=1000.0,
+        mc_samples=3,
+        clip_radius=0.5,
+        debias=False,
+        rescale_lr=False,
     )
     opt = build_optimizer(config, make_model().parameters(), dataset_size=50)
     assert type(opt) is IVON

@@ -50,10 +50,10 @@ def gradsq_hessian(mean_squared_grad: Tensor, ess: float) -> Tensor:
     return ess * mean_squared_grad
 
 
-def noise_corrected_squared_gradient(g_dp: Tensor, noise_variance: float) -> Tensor:
+def noise_corrected_squared_gradient(squared_g_dp: Tensor, noise_variance: float) -> Tensor:
     """v_hat = max(g_dp^2 - Var[noise], 0): E[g_dp^2] = g^2 + Var[noise], so subtracting the
     injected variance removes its bias; the projection keeps the curvature non-negative."""
-    return (g_dp.square() - noise_variance).clamp_(min=0.0)
+    return (squared_g_dp - noise_variance).clamp_(min=0.0)
 
 
 def momentum_update(momentum: Tensor, grad: Tensor, beta1: float) -> Tensor:
@@ -246,13 +246,16 @@ class IVON(torch.optim.Optimizer):
                 dist.all_reduce(self.state[p][key])
                 self.state[p][key].div_(world_size)
 
-    def _prepare_statistics(self) -> None:
-        """Hook for subclasses: fill ``avg_grad`` and ``avg_curvature_input`` per parameter."""
+    def _require_sample(self) -> None:
         if self._samples_collected == 0:
             raise RuntimeError(
                 "IVON.step() without a collected sample: run backward inside "
                 "`with optimizer.sampled_params(train=True):` first"
             )
+
+    def _prepare_statistics(self) -> None:
+        """Hook for subclasses: fill ``avg_grad`` and ``avg_curvature_input`` per parameter."""
+        self._require_sample()
         if self.sync and dist.is_initialized():
             self._sync_samples()
 
@@ -373,6 +376,7 @@ class DPIVON(IVON):
 
     def _prepare_statistics(self) -> None:
         """Every statistic from g_dp = p.grad, written by DPOptimizer.pre_step()."""
+        self._require_sample()  # else price would reuse a stale noise draw
         noise_variance = self.grad_noise_std**2 if self.noise_correction else 0.0
         projected, total = 0, 0
         for _, p in self._params():
@@ -382,14 +386,13 @@ class DPIVON(IVON):
             state["avg_grad"] = g_dp
             if self.hess_approx == "price":
                 state["avg_curvature_input"] = g_dp * state["noise"]
-            else:
-                if self.noise_correction:
-                    projected += int((g_dp.square() <= noise_variance).sum())
-                    total += g_dp.numel()
-                state["avg_curvature_input"] = noise_corrected_squared_gradient(
-                    g_dp, noise_variance
-                )
-        self.projected_fraction = projected / total if total else 0.0
+                continue
+            squared = g_dp.square()
+            if self.noise_correction:
+                projected = projected + (squared <= noise_variance).sum()
+                total += squared.numel()
+            state["avg_curvature_input"] = noise_corrected_squared_gradient(squared, noise_variance)
+        self.projected_fraction = float(projected) / total if total else 0.0
 
     def curvature_diagnostics(self) -> dict[str, float]:
         return {**super().curvature_diagnostics(), "projected_fraction": self.projected_fraction}
