@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dpivon.config import OPTIMIZER_NAMES, load_config, parse_config
+from dpivon.config import OPTIMIZER_NAMES, load_configs, parse_config
 from dpivon.errors import DpivonError
 
 app = typer.Typer(
@@ -38,6 +38,10 @@ def user_errors(command: Callable) -> Callable:
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+EPOCH_LINE = ("train_loss", "val_accuracy", "val_ece", "val_nll", "epsilon_spent",
+              "projected_fraction", "hess_median")
 
 
 def _given(**flags: Any) -> dict[str, Any]:
@@ -116,32 +120,36 @@ def train(
         seed=seed,
         device=device,
     )
-    if config is not None:
-        cfg = load_config(config, overrides)
-    else:
-        cfg = parse_config(overrides, source="options")
-    if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
-        console.print(f"[yellow]note:[/] {cfg.optimizer} is not private: --epsilon is ignored")
-
-    data = load_data(cfg)  # bad data input fails here, before any run is recorded
+    configs = (load_configs(config, overrides) if config is not None
+               else [parse_config(overrides, source="options")])
+    for cfg in configs:
+        if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
+            console.print(f"[yellow]note:[/] {cfg.optimizer} is not private: --epsilon is ignored")
+    datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.tracking_uri} (experiment {experiment!r})")
-    with tracker.run(
-        f"{cfg.optimizer}-eps{cfg.epsilon:g}", tags={"dpivon.kind": "train"}
-    ) as run_id:
-        tracker.log_params(run_id, cfg.model_dump(mode="json"))
-        tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+    summaries = []
+    for cfg, data in zip(configs, datasets, strict=True):
+        name = f"{cfg.optimizer}-eps{cfg.epsilon:g}"
+        with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
+            tracker.log_params(run_id, cfg.model_dump(mode="json"))
+            tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
 
-        def log_epoch(report) -> None:
-            tracker.log_metrics(run_id, report.metrics, step=report.epoch)
+            def log_epoch(report, run_id=run_id) -> None:
+                tracker.log_metrics(run_id, report.metrics, step=report.epoch)
+                shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
+                console.print(f"epoch {report.epoch}/{cfg.epochs} " + " ".join(
+                    f"{k}={v:.4g}" for k, v in shown.items()), highlight=False)
 
-        result = run_training(cfg, data=data, on_epoch_end=log_epoch, progress=sys.stderr.isatty())
-        log_training_result(tracker, run_id, result, with_model=log_model)
-    summary = {**result.summary(), "mlflow_run_id": run_id}
-    _print_summary(summary)
+            result = run_training(cfg, data=data, on_epoch_end=log_epoch,
+                                  progress=sys.stderr.isatty())
+            log_training_result(tracker, run_id, result, with_model=log_model)
+        summaries.append({**result.summary(), "mlflow_run_id": run_id})
+        _print_summary(summaries[-1])
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(summary, indent=2) + "\n")
+        payload = summaries[0] if len(summaries) == 1 else summaries
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
         console.print(f"wrote {json_path}")
 
 
@@ -165,6 +173,73 @@ def _print_summary(summary: dict[str, Any]) -> None:
         value = summary.get(key)
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+@app.command()
+@user_errors
+def sweep(
+    pipeline: Opt[Path, typer.Argument(help="pipeline YAML, e.g. pipelines/quickstart.yaml")],
+    resume: Opt[bool, typer.Option(help="continue this pipeline's interrupted sweep")] = False,
+    address: Opt[str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, "
+                                                "else a local Ray)")] = None,
+    tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
+) -> None:
+    """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
+    from dpivon.search.pipeline import load_pipeline
+    from dpivon.search.sweep import run_sweep, sweep_directory
+
+    loaded = load_pipeline(pipeline)
+    trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
+    counts = trials["status"].value_counts().to_dict()
+    console.print(f"sweep {loaded.name!r} finished: {counts}; results in "
+                  f"{sweep_directory(loaded)}; open the MLflow UI with `make ui`")
+
+
+@app.command()
+@user_errors
+def pareto(
+    sweep_ref: Opt[str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")],
+    out: Opt[Path | None, typer.Option(help="plot path (.png; an .html is written beside it)")] = None,
+) -> None:
+    """Print a finished sweep's Pareto fronts (validation; test for members) and plot them."""
+    from dpivon.search.export import load_results, resolve_sweep
+    from dpivon.search.pareto import format_front_table, plot_fronts_html, plot_fronts_png
+    from dpivon.search.sweep import SweepState
+
+    directory = resolve_sweep(sweep_ref)
+    state = SweepState.load(directory)
+    trials, front = load_results(directory)
+    extra = [c for c in ("test_accuracy", "test_ece", "param.lr", "param.batch_size",
+                         "param.max_grad_norm", "param.hess_init") if c in front]
+    Console().print(format_front_table(front, state.objectives, extra))
+    out = out or directory / "pareto.png"
+    plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
+    plot_fronts_html(trials, state.objectives, out.with_suffix(".html"),
+                     f"{state.name}: Pareto fronts")
+    console.print(f"wrote {out} and {out.with_suffix('.html')}")
+
+
+@app.command()
+@user_errors
+def export(
+    sweep_ref: Opt[str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")],
+    out: Opt[Path, typer.Option(help="YAML file for `dpivon train --config`")],
+    pick: Opt[str, typer.Option(help="knee, max-accuracy, min-ece or pareto")] = "knee",
+    optimizer: Opt[str | None, typer.Option(help="only this optimizer's front")] = None,
+    epsilon: Opt[float | None, typer.Option(help="only this epsilon's front")] = None,
+    epochs: Opt[int | None, typer.Option(help="production epochs (default: the sweep's)")] = None,
+    full_data: Opt[bool, typer.Option(help="train on the full training set")] = True,
+) -> None:
+    """Write the chosen Pareto-optimal configurations as production training configs."""
+    from dpivon.search.export import export_configs, resolve_sweep, write_configs
+    from dpivon.search.sweep import SweepState
+
+    directory = resolve_sweep(sweep_ref)
+    objectives = SweepState.load(directory).objectives
+    picked = export_configs(directory, objectives, pick, optimizer=optimizer, epsilon=epsilon,
+                            epochs=epochs, full_data=full_data)
+    write_configs(out, picked, objectives, pick)
+    console.print(f"wrote {len(picked)} config(s) to {out}; run: dpivon train --config {out}")
 
 
 def main() -> None:

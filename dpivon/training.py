@@ -315,7 +315,9 @@ def train(
                         lambda e=epoch: _checkpoint_state(e, setup, scheduler, history),
                     )
                 )
-            if config.fail_at_epoch is not None and epoch >= config.fail_at_epoch:
+            # Only the attempt that trains that epoch fails: a retry resumed from the epoch's
+            # checkpoint goes on, like after a transient crash.
+            if epoch == config.fail_at_epoch:
                 raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
 
     if val is None:  # resumed after the last epoch: evaluate the restored model

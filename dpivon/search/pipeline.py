@@ -1,0 +1,589 @@
+"""Pipelines: one YAML file describes a whole sweep (data, budgets, optimizers, search, Ray).
+
+Format (every key but ``name``, ``epsilons``, ``optimizers`` and ``trials`` has the default
+shown or described)::
+
+    name: quickstart                 # sweep name, [a-z0-9_-]+; also the key to --resume it
+    data:                            # default {dataset: cifar10}
+      dataset: cifar10               # cifar10 | synthetic
+      per_class: 100                 # subsample the training part (after the validation split)
+      val_size: 1000                 # default: 5000 (cifar10), synthetic_size // 10 (synthetic)
+      data_path: null                # null: $DPIVON_DATA, then the cache (see dpivon.data)
+      # synthetic_size: 600          # synthetic only (default 2000)
+    model: small-cnn                 # default tanh-cnn; one of dpivon.models.MODEL_NAMES
+    epochs: 3                        # default 10
+    epsilons: [8]                    # a number or a list, each > 0 (.inf = non-private)
+    delta: 1.0e-5                    # in (0, 1)
+    accountant: rdp                  # rdp | prv
+    optimizers:                      # each optimizer once, with its search-space file
+      - {name: dp-ivon-gradsq, space: ../search_spaces/quickstart/dp-ivon-gradsq.yaml}
+      - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
+    trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
+    trial_count: fixed               # fixed | poisson | geometric (see trial_counts)
+    concurrency: 2                   # max concurrent trials, >= 1
+    resources: {cpu: 1, gpu: 0}      # per trial; gpu may be fractional (0.25)
+    scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: none}
+    objectives:                      # exactly two, distinct
+      - {metric: val_accuracy, mode: max}
+      - {metric: val_ece, mode: min}
+    sampler: tpe                     # tpe | nsga2 | random
+    seed: 0                          # data split, training and Optuna seed; >= 0
+    tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
+    storage_path: dpivon-runs        # Ray Tune results; relative to the current directory
+    max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
+    train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
+
+A space path is looked up relative to the pipeline file's directory, then relative to the
+current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
+it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metrics among
+``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min).
+
+Loading validates everything it can without data or Ray: each problem is one
+:class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes that the
+largest batch size of every space fits the training set, that ``train`` neither repeats a
+key the pipeline owns nor one a space samples, and that every trial the spaces can produce
+(bounds and choices) is a valid TrainConfig with this pipeline's settings.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zlib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dpivon.config import (
+    OPTIMIZER_NAMES,
+    TrainConfig,
+    format_validation_error,
+    read_yaml_mapping,
+)
+from dpivon.errors import DpivonError
+from dpivon.search.space import (
+    Float,
+    SearchSpace,
+    drop_union_tags,
+    load_search_space,
+    numeric,
+)
+
+__all__ = [
+    "CIFAR10_TRAIN_IMAGES",
+    "METRIC_MODES",
+    "Pipeline",
+    "draw_trial_count",
+    "load_pipeline",
+]
+
+CIFAR10_TRAIN_IMAGES = 50_000
+CIFAR10_CLASSES = 10
+SYNTHETIC_DEFAULT_SIZE = TrainConfig.model_fields["synthetic_size"].default
+# the direction in which each selectable metric improves
+METRIC_MODES: dict[str, str] = {
+    "val_accuracy": "max",
+    "val_ece": "min",
+    "val_nll": "min",
+    "val_brier": "min",
+}
+# TrainConfig keys the pipeline's own fields set; `train:` may not repeat them
+_PIPELINE_KEYS = (
+    "optimizer",
+    "epsilon",
+    "delta",
+    "accountant",
+    "dataset",
+    "data_path",
+    "val_size",
+    "per_class",
+    "synthetic_size",
+    "model",
+    "epochs",
+    "seed",
+)
+_NAME = re.compile(r"[a-z0-9_-]+")
+
+Int = Annotated[StrictInt, BeforeValidator(numeric)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSpec(_Strict):
+    dataset: Literal["cifar10", "synthetic"] = "cifar10"
+    data_path: str | None = None
+    val_size: Int | None = Field(None, ge=1)
+    per_class: Int | None = Field(None, ge=1)
+    synthetic_size: Int | None = Field(None, ge=CIFAR10_CLASSES)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.dataset != "synthetic" and self.synthetic_size is not None:
+            raise ValueError("synthetic_size applies to dataset synthetic only; remove it")
+        total = self.total_train_images
+        if not self.effective_val_size < total:
+            raise ValueError(
+                f"val_size ({self.effective_val_size}) must be below the {total} training "
+                f"images of {self.dataset}"
+            )
+        if self.per_class is not None:
+            available = (total - self.effective_val_size) // CIFAR10_CLASSES
+            if self.per_class > available:
+                raise ValueError(
+                    f"per_class {self.per_class} exceeds the about {available} images per "
+                    f"class left after the validation split; pass per_class <= {available}"
+                )
+        return self
+
+    @property
+    def total_train_images(self) -> int:
+        """Images of the training part before the validation split."""
+        if self.dataset == "synthetic":
+            return self.synthetic_size or SYNTHETIC_DEFAULT_SIZE
+        return CIFAR10_TRAIN_IMAGES
+
+    @property
+    def effective_val_size(self) -> int:
+        if self.val_size is not None:
+            return self.val_size
+        return self.total_train_images // 10 if self.dataset == "synthetic" else 5000
+
+    @property
+    def train_size(self) -> int:
+        """Images trials train on (what the sampling rate q = batch_size / N refers to)."""
+        if self.per_class is not None:
+            return self.per_class * CIFAR10_CLASSES
+        return self.total_train_images - self.effective_val_size
+
+
+class OptimizerEntry(_Strict):
+    name: str
+    space: str = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in OPTIMIZER_NAMES:
+            raise ValueError(
+                f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
+            )
+        return name
+
+
+class Resources(_Strict):
+    cpu: Float = 1.0
+    gpu: Float = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> Resources:
+        if not (math.isfinite(self.cpu) and self.cpu > 0):
+            raise ValueError(f"cpu must be > 0, got {self.cpu}")
+        if not (math.isfinite(self.gpu) and self.gpu >= 0):
+            raise ValueError(f"gpu must be >= 0, got {self.gpu}")
+        if self.gpu > 1 and self.gpu != int(self.gpu):
+            raise ValueError(f"gpu above 1 must be a whole number (Ray), got {self.gpu}")
+        return self
+
+
+class AshaScheduler(_Strict):
+    type: Literal["asha"]
+    grace_period: Int = Field(1, ge=1)
+    reduction_factor: Float = Field(2.0, gt=1)
+
+
+class NoScheduler(_Strict):
+    type: Literal["none"]
+
+
+def _scheduler_shorthand(value: Any) -> Any:
+    return {"type": value} if isinstance(value, str) else value
+
+
+Scheduler = Annotated[
+    AshaScheduler | NoScheduler,
+    Field(discriminator="type"),
+    BeforeValidator(_scheduler_shorthand),
+]
+
+
+class Objective(_Strict):
+    metric: Literal["val_accuracy", "val_ece", "val_nll", "val_brier"]
+    mode: Literal["max", "min"]
+
+    @model_validator(mode="after")
+    def _direction(self) -> Objective:
+        best = METRIC_MODES[self.metric]
+        if self.mode != best:
+            raise ValueError(f"{self.metric} improves by mode {best}, not {self.mode}")
+        return self
+
+
+def _as_list(value: Any) -> Any:
+    return value if isinstance(value, list) else [value]
+
+
+class Pipeline(_Strict):
+    """A validated sweep pipeline; build it with :func:`load_pipeline`."""
+
+    name: str
+    data: DataSpec = DataSpec()
+    model: str = TrainConfig.model_fields["model"].default
+    epochs: Int = Field(TrainConfig.model_fields["epochs"].default, ge=1)
+    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
+    delta: Float = TrainConfig.model_fields["delta"].default
+    accountant: Literal["rdp", "prv"] = "rdp"
+    optimizers: list[OptimizerEntry] = Field(min_length=1)
+    trials: Int = Field(ge=1)
+    trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
+    concurrency: Int = Field(1, ge=1)
+    resources: Resources = Resources()
+    scheduler: Scheduler = NoScheduler(type="none")
+    objectives: list[Objective] = [
+        Objective(metric="val_accuracy", mode="max"),
+        Objective(metric="val_ece", mode="min"),
+    ]
+    sampler: Literal["tpe", "nsga2", "random"] = "tpe"
+    seed: Int = Field(0, ge=0)
+    tracking_uri: str | None = None
+    experiment: str = ""
+    storage_path: str = Field("dpivon-runs", min_length=1)
+    max_failures: Int = Field(1, ge=0)
+    train: dict[str, Any] = {}
+
+    _path: Path | None = PrivateAttr(None)
+    _source_text: str = PrivateAttr("")
+    _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
+
+    # -- validation ----------------------------------------------------------------------------
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_experiment(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("experiment") is None:
+            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a valid sweep name; use lowercase letters, digits, - and _"
+            )
+        return name
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, model: str) -> str:
+        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
+
+        if model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        return model
+
+    @field_validator("epsilons")
+    @classmethod
+    def _check_epsilons(cls, epsilons: list[float]) -> list[float]:
+        for eps in epsilons:
+            if not eps > 0:  # also rejects nan
+                raise ValueError(f"every epsilon must be > 0 (.inf = non-private), got {eps}")
+        if len(set(epsilons)) != len(epsilons):
+            raise ValueError(f"epsilons must be distinct, got {epsilons}")
+        return epsilons
+
+    @field_validator("delta")
+    @classmethod
+    def _check_delta(cls, delta: float) -> float:
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}")
+        return delta
+
+    @field_validator("optimizers")
+    @classmethod
+    def _check_optimizers(cls, entries: list[OptimizerEntry]) -> list[OptimizerEntry]:
+        names = [e.name for e in entries]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"optimizer {', '.join(twice)} listed more than once; list it once")
+        return entries
+
+    @field_validator("objectives")
+    @classmethod
+    def _check_objectives(cls, objectives: list[Objective]) -> list[Objective]:
+        if len(objectives) != 2:
+            raise ValueError(
+                f"give exactly two objectives (a Pareto front of two metrics), got "
+                f"{len(objectives)}"
+            )
+        if objectives[0].metric == objectives[1].metric:
+            raise ValueError(f"the two objectives must differ, both are {objectives[0].metric}")
+        return objectives
+
+    @field_validator("experiment")
+    @classmethod
+    def _check_experiment(cls, experiment: str) -> str:
+        if not experiment.strip():
+            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
+        return experiment
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _check_train(cls, train: Any) -> Any:
+        if train is None:
+            return {}
+        if not isinstance(train, dict):
+            return train  # the dict type check reports it
+        fields = set(TrainConfig.model_fields)
+        for key in train:
+            if key in _PIPELINE_KEYS:
+                raise ValueError(
+                    f"{key} is a pipeline setting, not a train extra; set it with the "
+                    "pipeline's own key (data:, model:, epochs:, epsilons:, ...)"
+                )
+            if key not in fields:
+                raise ValueError(f"{key!r} is not a TrainConfig field; check the spelling")
+        return {str(k): numeric(v) for k, v in train.items()}
+
+    @model_validator(mode="after")
+    def _check_scheduler(self) -> Pipeline:
+        if isinstance(self.scheduler, AshaScheduler):
+            if self.epochs < 2:
+                raise ValueError(
+                    f"scheduler asha needs epochs >= 2 (it stops trials between epochs), got "
+                    f"epochs {self.epochs}; use scheduler {{type: none}}"
+                )
+            if self.scheduler.grace_period >= self.epochs:
+                raise ValueError(
+                    f"scheduler.grace_period ({self.scheduler.grace_period}) must be below "
+                    f"epochs ({self.epochs}), else asha never stops a trial"
+                )
+        return self
+
+    # -- the API -------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path | None:
+        """The pipeline file."""
+        return self._path
+
+    @property
+    def source_text(self) -> str:
+        """The pipeline file's text, for logging it with the sweep."""
+        return self._source_text
+
+    @property
+    def spaces(self) -> dict[str, SearchSpace]:
+        """The loaded search spaces, keyed by optimizer name, in the listed order."""
+        return dict(self._spaces)
+
+    @property
+    def optimizer_names(self) -> list[str]:
+        return [e.name for e in self.optimizers]
+
+    @property
+    def objective_pairs(self) -> list[tuple[str, str]]:
+        """The two objectives as (metric, mode) pairs; the first one drives ASHA."""
+        return [(o.metric, o.mode) for o in self.objectives]
+
+    @property
+    def epsilon_list(self) -> list[float]:
+        """The privacy budgets, in the listed order (``inf`` = non-private)."""
+        return [float(e) for e in self.epsilons]
+
+    @property
+    def storage_location(self) -> str:
+        """``storage_path`` for Ray: a URI (``s3://...``) as is, else an absolute path."""
+        if "://" in self.storage_path:
+            return self.storage_path
+        return str(Path(self.storage_path).expanduser().resolve())
+
+    @property
+    def trial_count_shape(self) -> float | None:
+        """The ``shape`` of ``dp_accounting``'s ``RepeatAndSelectDpEvent`` for this draw.
+
+        ``inf`` for poisson, ``1`` for geometric (mean = ``trials``); ``None`` for fixed,
+        where the honest bound for releasing the best trial is plain composition.
+        """
+        return {"fixed": None, "poisson": math.inf, "geometric": 1.0}[self.trial_count]
+
+    def trial_counts(self) -> dict[tuple[str, float], int]:
+        """The number of trials of each (optimizer, epsilon) group, in listed order.
+
+        ``fixed``: ``trials``. Otherwise drawn once per group with
+        :func:`draw_trial_count` (seed = the pipeline seed plus a stable per-group key), so
+        the same pipeline always gets the same counts, and resuming a sweep does too.
+        """
+        return {
+            (name, eps): draw_trial_count(
+                self.trial_count, self.trials, self.seed, f"{name}@{eps!r}"
+            )
+            for name in self.optimizer_names
+            for eps in self.epsilon_list
+        }
+
+    def base_train_config(self, optimizer: str, epsilon: float) -> dict[str, Any]:
+        """The TrainConfig keys every trial of (optimizer, epsilon) starts from.
+
+        Data fields, model, epochs, privacy settings, seed and the ``train`` extras; a trial's
+        config is this updated with ``spaces[optimizer].trial_config(...)``.
+        """
+        if optimizer not in self._spaces:
+            raise DpivonError(
+                f"pipeline {self.path}: no optimizer {optimizer!r}; it has "
+                f"{', '.join(self.optimizer_names)}"
+            )
+        if float(epsilon) not in self.epsilon_list:
+            raise DpivonError(
+                f"pipeline {self.path}: no epsilon {epsilon}; it has "
+                f"{', '.join(map(str, self.epsilon_list))}"
+            )
+        config: dict[str, Any] = {
+            "optimizer": optimizer,
+            "dataset": self.data.dataset,
+            "data_path": self.data.data_path,
+            "val_size": self.data.val_size,
+            "per_class": self.data.per_class,
+        }
+        if self.data.synthetic_size is not None:
+            config["synthetic_size"] = self.data.synthetic_size
+        config.update(
+            model=self.model,
+            epochs=self.epochs,
+            epsilon=float(epsilon),
+            delta=self.delta,
+            accountant=self.accountant,
+            seed=self.seed,
+        )
+        config.update(self.train)
+        return config
+
+
+def draw_trial_count(trial_count: str, mean: int, seed: int, key: str) -> int:
+    """How many trials one (optimizer, epsilon) group runs; >= 1, deterministic.
+
+    - ``fixed``: ``mean``.
+    - ``geometric``: P(K = k) = (1 - g)^(k-1) g for k >= 1 with g = 1 / mean, so E[K] = mean.
+      This is the truncated negative binomial D(eta=1, gamma=g) of Papernot & Steinke
+      (ICLR 2022, Theorem 2): releasing the best of K trials then costs the bound of that
+      theorem, far less than K-fold composition. Its spread is large (std ~ mean).
+    - ``poisson``: K ~ Poisson(mean) (Theorem 6 there). K = 0 would mean no trial at all,
+      so it is clamped to 1: the distribution equals Poisson(mean) for k >= 2 and moves
+      the mass e^-mean of k = 0 to k = 1 (3e-4 for mean 8), which the privacy statement
+      should mention; E[K] = mean + e^-mean.
+
+    The generator is ``numpy.random.default_rng([seed, crc32(key)])``: the pipeline seed
+    plus a stable per-group offset (``key`` names the group, e.g. ``"dp-sgd@8.0"``).
+    """
+    if mean < 1:
+        raise DpivonError(f"the mean number of trials must be >= 1, got {mean}")
+    if trial_count == "fixed":
+        return int(mean)
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    if trial_count == "geometric":
+        return int(rng.geometric(1.0 / mean))
+    if trial_count == "poisson":
+        return max(1, int(rng.poisson(mean)))
+    raise DpivonError(f"unknown trial_count {trial_count!r}; use fixed, poisson or geometric")
+
+
+def load_pipeline(path: str | Path) -> Pipeline:
+    """Read and validate a pipeline YAML file and the search spaces it names."""
+    path = Path(path)
+    data = read_yaml_mapping(path)
+    where = f"pipeline {path}"
+    try:
+        pipeline = Pipeline.model_validate(data)
+    except ValidationError as err:
+        message = drop_union_tags(format_validation_error(err), ("asha", "none"))
+        raise DpivonError(f"invalid {where}: {message}") from None
+    pipeline._path = path
+    pipeline._source_text = path.read_text()
+
+    spaces: dict[str, SearchSpace] = {}
+    for i, entry in enumerate(pipeline.optimizers):
+        prefix = f"invalid {where}: optimizers.{i}.space"
+        space_path = _resolve_space(path, entry.space, prefix)
+        try:
+            space = load_search_space(space_path)
+        except DpivonError as err:
+            raise DpivonError(f"{prefix}: {err}") from None
+        if space.optimizer != entry.name:
+            raise DpivonError(
+                f"{prefix}: {space_path} is a space for {space.optimizer}, not for "
+                f"{entry.name}; point {entry.name} at its own space file"
+            )
+        spaces[entry.name] = space
+    pipeline._spaces = spaces
+    _check_trials(pipeline, where)
+    return pipeline
+
+
+def _resolve_space(pipeline_path: Path, space: str, prefix: str) -> Path:
+    given = Path(space).expanduser()
+    if given.is_absolute():
+        candidates = [given]
+    else:
+        candidates = [Path(os.path.normpath(pipeline_path.parent / given)), given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = " or ".join(str(c) for c in candidates)
+    raise DpivonError(
+        f"{prefix}: file not found: {space} (looked for {looked}); a space path is relative "
+        "to the pipeline file's directory, then to the current directory"
+    )
+
+
+def _check_trials(pipeline: Pipeline, where: str) -> None:
+    """Cross-checks of the pipeline with its spaces: overlaps, batch sizes, TrainConfigs."""
+    n_train = pipeline.data.train_size
+    default_batch = pipeline.train.get("batch_size", TrainConfig.model_fields["batch_size"].default)
+    for i, (name, space) in enumerate(pipeline.spaces.items()):
+        prefix = f"invalid {where}: optimizers.{i} ({name}, {space.path})"
+        both = [k for k in pipeline.train if k in space.names]
+        if both:
+            raise DpivonError(
+                f"{prefix}: {', '.join(both)} set both under train: and by the search space; "
+                "keep one"
+            )
+        batch = space.max_value("batch_size")
+        batch = default_batch if batch is None else batch
+        if isinstance(batch, int | float) and batch > n_train:
+            raise DpivonError(
+                f"{prefix}: batch_size reaches {batch} but trials train on {n_train} images "
+                "(after the validation split and per_class); lower the space's batch_size "
+                "bounds (search_spaces/quickstart/ has spaces for small data)"
+            )
+        for eps in pipeline.epsilon_list:
+            base = pipeline.base_train_config(name, eps)
+            try:
+                TrainConfig.model_validate(base)
+            except ValidationError as err:
+                raise DpivonError(
+                    f"invalid {where}: the trial settings of {name} at epsilon {eps} are not "
+                    f"a valid TrainConfig: {format_validation_error(err)}"
+                ) from None
+            for description, values in space.bound_configs():
+                try:
+                    TrainConfig.model_validate({**base, **values})
+                except ValidationError as err:
+                    raise DpivonError(
+                        f"{prefix}: {description} with this pipeline's settings at epsilon "
+                        f"{eps} is not a valid TrainConfig: {format_validation_error(err)}"
+                    ) from None

@@ -1,0 +1,711 @@
+"""Search spaces and pipelines: the shipped files, sampling, conditionals, every bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+import yaml
+
+from dpivon.config import TrainConfig, parse_config
+from dpivon.errors import DpivonError
+from dpivon.search.pipeline import Pipeline, draw_trial_count, load_pipeline
+from dpivon.search.space import (
+    CategoricalParam,
+    FloatParam,
+    IntParam,
+    SearchSpace,
+    load_search_space,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE_FILES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
+PIPELINE_FILES = sorted((ROOT / "pipelines").glob("*.yaml"))
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [str(p.relative_to(ROOT)) for p in paths]
+
+
+def _study(seed: int = 0) -> optuna.Study:
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+
+
+def _assert_inside(space: SearchSpace, params: dict[str, Any]) -> None:
+    for name, value in params.items():
+        param = space.sampled[name]
+        if isinstance(param, FloatParam):
+            assert isinstance(value, float)
+            assert param.low <= value <= param.high, (name, value)
+        elif isinstance(param, IntParam):
+            assert isinstance(value, int)
+            assert param.low <= value <= param.high, (name, value)
+        else:
+            assert isinstance(param, CategoricalParam)
+            assert value in param.choices, (name, value)
+
+
+def _sample(space: SearchSpace, n: int, seed: int = 0) -> list[tuple[dict, dict]]:
+    """(fixed values returned, trial.params) for n asks of a seeded random-sampler study."""
+    study = _study(seed)
+    out = []
+    for _ in range(n):
+        trial = study.ask()
+        fixed = space.define_by_run(trial)
+        out.append((fixed, dict(trial.params)))
+        study.tell(trial, 0.0)
+    return out
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# -- the shipped files -------------------------------------------------------------------------
+
+
+def test_shipped_files_are_there():
+    names = set(_ids(SPACE_FILES)) | set(_ids(PIPELINE_FILES))
+    for name in (
+        "search_spaces/dp-ivon-gradsq.yaml",
+        "search_spaces/dp-ivon-gradsq-uncorrected.yaml",
+        "search_spaces/dp-sgd.yaml",
+        "search_spaces/dp-adam.yaml",
+        "search_spaces/quickstart/dp-ivon-gradsq.yaml",
+        "search_spaces/quickstart/dp-sgd.yaml",
+        "search_spaces/quickstart/dp-adam.yaml",
+        "pipelines/quickstart.yaml",
+        "pipelines/cifar10-eps-grid.yaml",
+        "pipelines/cluster-example.yaml",
+        "pipelines/smoke.yaml",
+    ):
+        assert name in names
+
+
+@pytest.mark.parametrize("path", SPACE_FILES, ids=_ids(SPACE_FILES))
+def test_shipped_space_loads_and_samples_inside_bounds(path):
+    space = load_search_space(path)
+    assert space.path == path
+    assert path.stem.startswith(space.optimizer)
+    assert path.read_text().startswith("#")  # the documented format header
+    json.dumps(space.to_dict())
+    assert space.to_dict()["optimizer"] == space.optimizer
+    for fixed, params in _sample(space, 12):
+        assert fixed == space.fixed
+        _assert_inside(space, params)
+        config = space.trial_config(params)
+        assert config["optimizer"] == space.optimizer
+        parse_config(config, source=str(path))
+
+
+def test_full_size_spaces_follow_the_lessons():
+    ivon = load_search_space(ROOT / "search_spaces/dp-ivon-gradsq.yaml")
+    lr = ivon.sampled["lr"]
+    assert isinstance(lr, FloatParam) and lr.log and lr.low > 0.2 and lr.high >= 10
+    beta2 = ivon.sampled["beta2"]
+    assert isinstance(beta2, CategoricalParam)
+    assert {0.99, 0.999, 0.9999, 0.99999} <= set(beta2.choices)
+    uncorrected = load_search_space(ROOT / "search_spaces/dp-ivon-gradsq-uncorrected.yaml")
+    assert uncorrected.to_dict()["params"] == ivon.to_dict()["params"]
+    for name in ("dp-ivon-gradsq", "dp-sgd", "dp-adam"):
+        full = load_search_space(ROOT / f"search_spaces/{name}.yaml")
+        small = load_search_space(ROOT / f"search_spaces/quickstart/{name}.yaml")
+        assert 1000 < full.max_value("batch_size") <= 45_000
+        assert small.max_value("batch_size") <= 256
+
+
+@pytest.mark.parametrize("path", PIPELINE_FILES, ids=_ids(PIPELINE_FILES))
+def test_shipped_pipeline_loads_and_every_trial_is_a_train_config(path):
+    pipeline = load_pipeline(path)
+    assert pipeline.path == path
+    assert pipeline.source_text == path.read_text()
+    assert list(pipeline.spaces) == pipeline.optimizer_names
+    counts = pipeline.trial_counts()
+    assert set(counts) == {(o, e) for o in pipeline.optimizer_names for e in pipeline.epsilon_list}
+    assert all(k >= 1 for k in counts.values())
+    for name, space in pipeline.spaces.items():
+        assert space.optimizer == name
+        for eps in pipeline.epsilon_list:
+            base = pipeline.base_train_config(name, eps)
+            for _, params in _sample(space, 5):
+                config = parse_config({**base, **space.trial_config(params)})
+                assert config.optimizer == name and config.epsilon == eps
+                assert config.model == pipeline.model and config.epochs == pipeline.epochs
+                assert config.batch_size <= pipeline.data.train_size
+
+
+def test_shipped_pipelines_say_what_they_promise():
+    quick = load_pipeline(ROOT / "pipelines/quickstart.yaml")
+    assert quick.data.train_size == 1000 and quick.data.val_size == 1000
+    assert quick.model == "small-cnn" and quick.epochs == 3 and quick.epsilon_list == [8.0]
+    assert quick.optimizer_names == ["dp-ivon-gradsq", "dp-sgd", "dp-adam"]
+    assert quick.trials == 3 and quick.concurrency == 2 and quick.resources.cpu == 1
+    assert quick.scheduler.type == "asha" and quick.train == {"bma_samples": 8}
+    grid = load_pipeline(ROOT / "pipelines/cifar10-eps-grid.yaml")
+    assert grid.data.train_size == 45_000 and grid.model == "tanh-cnn" and grid.epochs == 30
+    assert grid.epsilon_list == [1.0, 2.0, 4.0, 8.0]
+    assert grid.resources.gpu == 0.5 and grid.concurrency == 8
+    cluster = load_pipeline(ROOT / "pipelines/cluster-example.yaml")
+    assert "ray://head:10001" in cluster.source_text and "RayJob" in cluster.source_text
+    assert "postgresql://" in cluster.source_text
+    assert cluster.optimizer_names == grid.optimizer_names
+    smoke = load_pipeline(ROOT / "pipelines/smoke.yaml")
+    assert smoke.data.dataset == "synthetic" and smoke.epochs == 2
+    assert len(smoke.optimizers) == 2 and smoke.trials == 2
+    names = [load_pipeline(p).name for p in PIPELINE_FILES]
+    assert len(set(names)) == len(names)  # the resume keys differ
+
+
+def test_define_by_run_works_with_rays_optuna_search(tmp_path):
+    from ray.tune.search.optuna import OptunaSearch
+
+    space = load_search_space(
+        _write(
+            tmp_path / "s.yaml",
+            "optimizer: dp-sgd\nparams:\n"
+            "  lr: {type: float, low: 0.05, high: 10.0, log: true}\n"
+            "  use_wd: {type: categorical, choices: [true, false]}\n"
+            "  weight_decay: {type: float, low: 1.0e-6, high: 1.0e-2, log: true, "
+            "when: {use_wd: true}}\n"
+            "  momentum: 0.5\n",
+        )
+    )
+    search = OptunaSearch(
+        space=space.define_by_run,
+        metric=["val_accuracy", "val_ece"],
+        mode=["max", "min"],
+        seed=0,
+    )
+    seen = set()
+    for i in range(12):
+        config = search.suggest(f"t{i}")
+        assert config["momentum"] == 0.5 and "lr" in config
+        trial = space.trial_config(config)
+        assert "use_wd" not in trial and trial["momentum"] == 0.5
+        assert ("weight_decay" in trial) == config["use_wd"]
+        seen.add(config["use_wd"])
+        parse_config(trial)
+    assert seen == {True, False}
+
+
+# -- the space format --------------------------------------------------------------------------
+
+CONDITIONAL = """\
+optimizer: dp-ivon-gradsq
+params:
+  lr: {type: float, low: 0.5, high: 50.0, log: true}
+  use_wd: {type: categorical, choices: [true, false]}
+  weight_decay: {type: float, low: 1e-6, high: 1e-2, log: true, when: {use_wd: true}}
+  family: {type: categorical, choices: [a, b, c]}
+  hess_init: {type: float, low: 0.01, high: 2.0, when: {family: [a, b], use_wd: true}}
+  batch_size: {type: int, low: 32, high: 256, step: 32}
+  ess: {type: categorical, choices: [100, 1000], when: {batch_size: [32, 64]}}
+  mc_samples: 1
+  lr_schedule: cosine
+"""
+
+
+def test_conditional_params_are_active_only_when_their_condition_holds(tmp_path):
+    space = load_search_space(_write(tmp_path / "cond.yaml", CONDITIONAL))
+    assert space.switches == {"use_wd", "family"}
+    assert space.fixed == {"mc_samples": 1, "lr_schedule": "cosine"}
+    branches = set()
+    for fixed, params in _sample(space, 80, seed=3):
+        assert fixed == {"mc_samples": 1, "lr_schedule": "cosine"}
+        _assert_inside(space, params)
+        assert ("weight_decay" in params) == params["use_wd"]
+        assert ("hess_init" in params) == (params["use_wd"] and params["family"] in "ab")
+        assert ("ess" in params) == (params["batch_size"] in (32, 64))
+        assert params["batch_size"] % 32 == 0
+        branches.add((params["use_wd"], "hess_init" in params, "ess" in params))
+        config = space.trial_config(params)
+        assert "use_wd" not in config and "family" not in config
+        assert config["mc_samples"] == 1 and config["lr_schedule"] == "cosine"
+        assert ("weight_decay" in config) == params["use_wd"]
+        parse_config(config)
+    assert {b[0] for b in branches} == {True, False}
+    assert {b[1] for b in branches} == {True, False}
+    assert {b[2] for b in branches} == {True, False}
+
+
+def test_trial_config_checks_its_input(tmp_path):
+    space = load_search_space(_write(tmp_path / "cond.yaml", CONDITIONAL))
+    good = {"lr": 1.0, "use_wd": False, "family": "c", "batch_size": 128}
+    assert space.trial_config(good) == {
+        "optimizer": "dp-ivon-gradsq",
+        "lr": 1.0,
+        "batch_size": 128,
+        "mc_samples": 1,
+        "lr_schedule": "cosine",
+    }
+    # inactive values are ignored; fixed values (as Ray's config holds them) are fine
+    assert space.trial_config({**good, "weight_decay": 0.1, "mc_samples": 1}) == (
+        space.trial_config(good)
+    )
+    with pytest.raises(DpivonError, match=r"'momentum'.*not parameters"):
+        space.trial_config({**good, "momentum": 0.9})
+    with pytest.raises(DpivonError, match="lack 'weight_decay'"):
+        space.trial_config({**good, "use_wd": True})
+
+
+def test_numeric_strings_are_numbers(tmp_path):
+    space = load_search_space(
+        _write(
+            tmp_path / "s.yaml",
+            "optimizer: dp-adam\nparams:\n"
+            "  lr: {type: float, low: 1e-4, high: 3e-2, log: true}\n"
+            "  weight_decay: {type: categorical, choices: [0, 1e-5, '1e-4']}\n"
+            "  max_grad_norm: 1e0\n",
+        )
+    )
+    lr = space.sampled["lr"]
+    assert isinstance(lr, FloatParam) and (lr.low, lr.high) == (1e-4, 3e-2)
+    assert space.sampled["weight_decay"].choices == [0, 1e-5, 1e-4]
+    assert space.fixed == {"max_grad_norm": 1.0}
+    data = space.to_dict()
+    assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+BAD_SPACES = {
+    "unknown-top-key": ("optimizer: dp-sgd\nparam: {}\n", "param: unknown key"),
+    "no-params": ("optimizer: dp-sgd\n", "params: Field required"),
+    "empty-params": ("optimizer: dp-sgd\nparams: {}\n", "params"),
+    "unknown-optimizer": ("optimizer: dp-sgdd\nparams: {lr: 1.0}\n", "unknown; choose one"),
+    "unknown-type": ("params: {lr: {type: floot, low: 1, high: 2}}", "'floot'"),
+    "mapping-without-type": (
+        "params: {lr: {low: 1, high: 2}}",
+        "params.lr: a mapping needs a type",
+    ),
+    "unknown-param-key": (
+        "params: {lr: {type: float, low: 1, high: 2, lg: true}}",
+        "params.lr: lg: unknown key",
+    ),
+    "low-not-below-high": (
+        "params: {lr: {type: float, low: 2, high: 1}}",
+        "params.lr: low must be below high",
+    ),
+    "low-equals-high": ("params: {batch_size: {type: int, low: 64, high: 64}}", "below high"),
+    "log-needs-positive-low": (
+        "params: {weight_decay: {type: float, low: 0, high: 1, log: true}}",
+        "log: true needs low > 0",
+    ),
+    "step-and-log": (
+        "params: {lr: {type: float, low: 1, high: 2, log: true, step: 0.5}}",
+        "exclude each other",
+    ),
+    "step-not-dividing": (
+        "params: {batch_size: {type: int, low: 32, high: 100, step: 32}}",
+        "multiple of step",
+    ),
+    "int-bound-float": (
+        "params: {batch_size: {type: int, low: 32.5, high: 256}}",
+        "params.batch_size: low: Input should be a valid integer",
+    ),
+    "int-bound-string": (
+        "params: {batch_size: {type: int, low: many, high: 256}}",
+        "valid integer",
+    ),
+    "float-bound-bool": ("params: {lr: {type: float, low: true, high: 2}}", "valid number"),
+    "int-log-step": (
+        "params: {batch_size: {type: int, low: 32, high: 256, log: true, step: 32}}",
+        "log: true needs step 1",
+    ),
+    "empty-choices": ("params: {momentum: {type: categorical, choices: []}}", "at least 1 item"),
+    "duplicate-choices": (
+        "params: {momentum: {type: categorical, choices: [0.5, 0.5]}}",
+        "distinct",
+    ),
+    "non-scalar-choice": (
+        "params: {momentum: {type: categorical, choices: [[1, 2]]}}",
+        "choices.0: must be a number, string, boolean or null",
+    ),
+    "when-unknown": (
+        "params: {lr: {type: float, low: 1, high: 2, when: {nope: 1}}}",
+        "when.nope: 'nope' is not a parameter of this space",
+    ),
+    "when-later": (
+        "params:\n  lr: {type: float, low: 1, high: 2, when: {use: true}}\n"
+        "  use: {type: categorical, choices: [true, false]}\n",
+        "when.use: 'use' is declared later",
+    ),
+    "when-self": (
+        "params: {momentum: {type: categorical, choices: [0, 1], when: {momentum: 0}}}",
+        "depend on itself",
+    ),
+    "when-float": (
+        "params:\n  lr: {type: float, low: 1, high: 2}\n"
+        "  momentum: {type: categorical, choices: [0.0, 0.9], when: {lr: 1.5}}\n",
+        "float range",
+    ),
+    "when-fixed": (
+        "params:\n  lr: 1.0\n  momentum: {type: categorical, choices: [0.0, 0.9], when: {lr: 1}}\n",
+        "fixed value",
+    ),
+    "when-value-never-taken": (
+        "params:\n  use: {type: categorical, choices: [true, false]}\n"
+        "  weight_decay: {type: float, low: 0.1, high: 1, when: {use: yes_please}}\n",
+        "never takes 'yes_please'",
+    ),
+    "not-a-field": (
+        "params: {lrr: {type: float, low: 1, high: 2}}",
+        "'lrr' is not a TrainConfig field (nor a categorical switch named by a when); "
+        "did you mean 'lr'?",
+    ),
+    "pipeline-owned": (
+        "params: {epochs: {type: int, low: 1, high: 5}}",
+        "epochs is set by the pipeline",
+    ),
+    "pipeline-owned-fixed": ("params: {fail_at_epoch: 1}", "fail_at_epoch is set by the pipeline"),
+    "switch-not-categorical": (
+        "params:\n  use: {type: int, low: 0, high: 1}\n"
+        "  weight_decay: {type: float, low: 0.1, high: 1, when: {use: 1}}\n",
+        "a switch must be categorical",
+    ),
+    "switch-unused": (
+        "params: {use_wd: {type: categorical, choices: [true, false]}}",
+        "'use_wd' is not a TrainConfig field",
+    ),
+    "bound-invalid-for-trainconfig": (
+        "params: {momentum: 0.9, beta2: {type: categorical, choices: [0.9, 1.5]}}",
+        "params.beta2 = 1.5 is not a valid dp-sgd setting: beta2 must be in [0, 1)",
+    ),
+    "low-invalid-for-trainconfig": (
+        "params: {lr: {type: float, low: 0, high: 1}}",
+        "params.lr = 0.0 is not a valid dp-sgd setting: lr must be > 0",
+    ),
+    "fixed-wrong-type": ("params: {batch_size: lots}", "params.batch_size = 'lots'"),
+    "estimator-contradiction": (
+        "params: {hess_approx: price}",
+        "contradicts",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPACES), ids=list(BAD_SPACES))
+def test_bad_space_is_one_clear_error(tmp_path, case):
+    text, expected = BAD_SPACES[case]
+    if not text.startswith("optimizer"):
+        optimizer = "dp-ivon-gradsq" if case == "estimator-contradiction" else "dp-sgd"
+        text = f"optimizer: {optimizer}\n{text}\n"
+    path = _write(tmp_path / f"{case}.yaml", text)
+    with pytest.raises(DpivonError) as info:
+        load_search_space(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert expected in message, message
+
+
+def test_space_file_errors(tmp_path):
+    with pytest.raises(DpivonError, match="file not found"):
+        load_search_space(tmp_path / "missing.yaml")
+    bad = _write(tmp_path / "bad.yaml", "optimizer: dp-sgd\nparams: {lr: [1, \n")
+    with pytest.raises(DpivonError, match=r"bad.yaml is not valid YAML \(line"):
+        load_search_space(bad)
+    listed = _write(tmp_path / "list.yaml", "- optimizer: dp-sgd\n")
+    with pytest.raises(DpivonError, match="must hold a YAML mapping"):
+        load_search_space(listed)
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+
+SGD_SPACE = """\
+optimizer: dp-sgd
+params:
+  lr: {type: float, low: 0.05, high: 10.0, log: true}
+  batch_size: {type: int, low: 32, high: 128, log: true}
+"""
+ADAM_SPACE = SGD_SPACE.replace("dp-sgd", "dp-adam")
+
+
+def _pipeline_dict() -> dict[str, Any]:
+    return {
+        "name": "t",
+        "data": {"dataset": "synthetic", "synthetic_size": 600},
+        "model": "small-cnn",
+        "epochs": 3,
+        "epsilons": [8],
+        "delta": 1.0e-5,
+        "accountant": "rdp",
+        "optimizers": [
+            {"name": "dp-sgd", "space": "spaces/dp-sgd.yaml"},
+            {"name": "dp-adam", "space": "spaces/dp-adam.yaml"},
+        ],
+        "trials": 4,
+        "trial_count": "fixed",
+        "concurrency": 2,
+        "resources": {"cpu": 1, "gpu": 0},
+        "scheduler": {"type": "asha", "grace_period": 1, "reduction_factor": 2},
+        "objectives": [
+            {"metric": "val_accuracy", "mode": "max"},
+            {"metric": "val_ece", "mode": "min"},
+        ],
+        "sampler": "tpe",
+        "seed": 0,
+        "tracking_uri": None,
+        "storage_path": "runs",
+        "max_failures": 1,
+        "train": {"bma_samples": 2},
+    }
+
+
+def _write_pipeline(tmp_path: Path, data: dict[str, Any], name: str = "p.yaml") -> Path:
+    _write(tmp_path / "pipes/spaces/dp-sgd.yaml", SGD_SPACE)
+    _write(tmp_path / "pipes/spaces/dp-adam.yaml", ADAM_SPACE)
+    return _write(tmp_path / "pipes" / name, yaml.safe_dump(data, sort_keys=False))
+
+
+def test_pipeline_api(tmp_path):
+    path = _write_pipeline(tmp_path, _pipeline_dict())
+    pipeline = load_pipeline(path)
+    assert isinstance(pipeline, Pipeline)
+    assert pipeline.path == path and pipeline.source_text == path.read_text()
+    assert pipeline.experiment == "dpivon-t"  # the default
+    assert list(pipeline.spaces) == ["dp-sgd", "dp-adam"]
+    assert pipeline.spaces["dp-sgd"].path == tmp_path / "pipes/spaces/dp-sgd.yaml"
+    assert pipeline.epsilon_list == [8.0]
+    assert pipeline.objective_pairs == [("val_accuracy", "max"), ("val_ece", "min")]
+    assert pipeline.trial_counts() == {("dp-sgd", 8.0): 4, ("dp-adam", 8.0): 4}
+    assert pipeline.trial_count_shape is None
+    assert pipeline.base_train_config("dp-adam", 8) == {
+        "optimizer": "dp-adam",
+        "dataset": "synthetic",
+        "data_path": None,
+        "val_size": None,
+        "per_class": None,
+        "synthetic_size": 600,
+        "model": "small-cnn",
+        "epochs": 3,
+        "epsilon": 8.0,
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "seed": 0,
+        "bma_samples": 2,
+    }
+    assert pipeline.data.train_size == 540
+    assert Path(pipeline.storage_location).is_absolute()
+    with pytest.raises(DpivonError, match="no optimizer 'dp-ivon'"):
+        pipeline.base_train_config("dp-ivon", 8)
+    with pytest.raises(DpivonError, match="no epsilon 3"):
+        pipeline.base_train_config("dp-sgd", 3)
+
+
+def test_pipeline_accepts_yaml_quirks_and_non_private(tmp_path):
+    data = _pipeline_dict()
+    data["scheduler"] = "none"  # shorthand for {type: none}
+    path = _write_pipeline(tmp_path, data)
+    text = path.read_text()
+    assert "delta: 1.0e-05\n" in text and "epsilons:\n- 8\n" in text
+    # PyYAML reads 1e-5 and inf as strings
+    text = text.replace("delta: 1.0e-05\n", "delta: 1e-5\n")
+    path.write_text(text.replace("epsilons:\n- 8\n", "epsilons: [8, inf]\n"))
+    pipeline = load_pipeline(path)
+    assert pipeline.delta == 1e-5
+    assert pipeline.epsilon_list == [8.0, math.inf]
+    assert pipeline.scheduler.type == "none"
+    base = pipeline.base_train_config("dp-sgd", math.inf)
+    assert parse_config(base).epsilon == math.inf
+
+
+def test_space_paths_fall_back_to_the_current_directory(tmp_path, monkeypatch):
+    _write(tmp_path / "elsewhere/dp-sgd.yaml", SGD_SPACE)
+    _write(tmp_path / "elsewhere/dp-adam.yaml", ADAM_SPACE)
+    data = _pipeline_dict()
+    data["optimizers"] = [
+        {"name": "dp-sgd", "space": "elsewhere/dp-sgd.yaml"},
+        {"name": "dp-adam", "space": str(tmp_path / "elsewhere/dp-adam.yaml")},
+    ]
+    path = _write_pipeline(tmp_path, data)
+    monkeypatch.chdir(tmp_path)
+    pipeline = load_pipeline(path)
+    assert pipeline.spaces["dp-sgd"].path == Path("elsewhere/dp-sgd.yaml")
+
+
+def _set(key: str, value: Any):
+    def change(data: dict[str, Any]) -> None:
+        target = data
+        *parents, last = key.split(".")
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+
+    return change
+
+
+def _drop(key: str):
+    return lambda data: data.pop(key)
+
+
+BAD_PIPELINES = {
+    "unknown-key": (_set("trails", 3), "trails: unknown key"),
+    "unknown-nested-key": (_set("resources.memory", 4), "resources.memory: unknown key"),
+    "missing-name": (_drop("name"), "name: Field required"),
+    "missing-epsilons": (_drop("epsilons"), "epsilons: Field required"),
+    "missing-trials": (_drop("trials"), "trials: Field required"),
+    "bad-name": (_set("name", "Quick Start"), "not a valid sweep name"),
+    "epochs-string": (_set("epochs", "three"), "epochs: Input should be a valid integer"),
+    "concurrency-float": (_set("concurrency", 1.5), "concurrency: Input should be a valid integer"),
+    "trials-bool": (_set("trials", True), "trials: Input should be a valid integer"),
+    "trials-zero": (_set("trials", 0), "trials: Input should be greater than or equal to 1"),
+    "concurrency-zero": (_set("concurrency", 0), "concurrency: Input should be greater"),
+    "cpu-zero": (_set("resources.cpu", 0), "cpu must be > 0"),
+    "gpu-negative": (_set("resources.gpu", -1), "gpu must be >= 0"),
+    "gpu-fraction-above-one": (_set("resources.gpu", 1.5), "whole number"),
+    "epsilon-zero": (_set("epsilons", [0]), "every epsilon must be > 0"),
+    "epsilon-negative": (_set("epsilons", -1), "every epsilon must be > 0"),
+    "epsilon-empty": (_set("epsilons", []), "epsilons: Value should have at least 1 item"),
+    "epsilon-duplicate": (_set("epsilons", [8, 8.0]), "distinct"),
+    "delta-zero": (_set("delta", 0), "delta must be in (0, 1)"),
+    "delta-one": (_set("delta", 1), "delta must be in (0, 1)"),
+    "accountant": (_set("accountant", "gdp"), "accountant: Input should be 'rdp' or 'prv'"),
+    "sampler": (_set("sampler", "cmaes"), "sampler: Input should be"),
+    "trial-count": (_set("trial_count", "binomial"), "trial_count: Input should be"),
+    "asha-one-epoch": (_set("epochs", 1), "asha needs epochs >= 2"),
+    "asha-grace": (_set("scheduler.grace_period", 3), "grace_period (3) must be below epochs (3)"),
+    "asha-reduction": (
+        _set("scheduler.reduction_factor", 1),
+        "scheduler.reduction_factor: Input should be greater",
+    ),
+    "scheduler-type": (_set("scheduler", {"type": "hyperband"}), "'hyperband'"),
+    "one-objective": (
+        _set("objectives", [{"metric": "val_accuracy", "mode": "max"}]),
+        "exactly two objectives",
+    ),
+    "three-objectives": (
+        _set(
+            "objectives",
+            [
+                {"metric": "val_accuracy", "mode": "max"},
+                {"metric": "val_ece", "mode": "min"},
+                {"metric": "val_nll", "mode": "min"},
+            ],
+        ),
+        "exactly two objectives",
+    ),
+    "same-objective": (
+        _set("objectives.1", {"metric": "val_accuracy", "mode": "max"}),
+        "must differ",
+    ),
+    "unknown-metric": (_set("objectives.1.metric", "test_ece"), "objectives.1.metric: Input"),
+    "bad-mode": (_set("objectives.1.mode", "minimize"), "objectives.1.mode: Input"),
+    "wrong-direction": (_set("objectives.0.mode", "min"), "val_accuracy improves by mode max"),
+    "unknown-model": (_set("model", "resnet-9000"), "unknown model 'resnet-9000'"),
+    "unknown-optimizer": (_set("optimizers.0.name", "dp-sgdd"), "unknown optimizer 'dp-sgdd'"),
+    "duplicate-optimizer": (
+        _set("optimizers.1", {"name": "dp-sgd", "space": "spaces/dp-sgd.yaml"}),
+        "dp-sgd listed more than once",
+    ),
+    "no-optimizers": (_set("optimizers", []), "optimizers: List should have at least 1 item"),
+    "space-missing": (_set("optimizers.0.space", "spaces/nope.yaml"), "file not found"),
+    "space-other-optimizer": (
+        _set("optimizers.0.space", "spaces/dp-adam.yaml"),
+        "is a space for dp-adam, not for dp-sgd",
+    ),
+    "space-invalid": (_set("optimizers.1.space", "bad-space.yaml"), "lrr"),
+    "train-owned-key": (_set("train", {"epochs": 3}), "epochs is a pipeline setting"),
+    "train-unknown-key": (_set("train", {"bma": 3}), "'bma' is not a TrainConfig field"),
+    "train-invalid-value": (_set("train", {"bma_samples": -1}), "bma_samples must be >= 0"),
+    "train-and-space": (_set("train", {"lr": 0.1}), "lr set both under train: and by"),
+    "batch-above-data": (
+        _set("data", {"dataset": "synthetic", "synthetic_size": 100}),
+        "reaches 128",
+    ),
+    "val-size-too-big": (_set("data.val_size", 600), "val_size (600) must be below the 600"),
+    "synthetic-size-for-cifar": (_set("data.dataset", "cifar10"), "synthetic only"),
+    "per-class-too-big": (
+        _set("data", {"dataset": "cifar10", "per_class": 5000}),
+        "per_class 5000 exceeds",
+    ),
+    "unknown-dataset": (_set("data.dataset", "mnist"), "data.dataset: Input should be"),
+    "experiment-empty": (_set("experiment", " "), "experiment must not be empty"),
+    "max-failures": (_set("max_failures", -1), "max_failures: Input should be greater"),
+    "seed-negative": (_set("seed", -1), "seed: Input should be greater"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PIPELINES), ids=list(BAD_PIPELINES))
+def test_bad_pipeline_is_one_clear_error(tmp_path, case):
+    change, expected = BAD_PIPELINES[case]
+    data = _pipeline_dict()
+    change(data)
+    _write(tmp_path / "pipes/bad-space.yaml", "optimizer: dp-adam\nparams: {lrr: 1.0}\n")
+    path = _write_pipeline(tmp_path, data)
+    with pytest.raises(DpivonError) as info:
+        load_pipeline(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert expected in message, message
+
+
+def test_pipeline_file_errors(tmp_path):
+    with pytest.raises(DpivonError, match="file not found"):
+        load_pipeline(tmp_path / "missing.yaml")
+    bad = _write(tmp_path / "bad.yaml", "name: x\nepsilons: [8\n")
+    with pytest.raises(DpivonError, match=r"bad.yaml is not valid YAML \(line"):
+        load_pipeline(bad)
+    scalar = _write(tmp_path / "scalar.yaml", "just text\n")
+    with pytest.raises(DpivonError, match="must hold a YAML mapping"):
+        load_pipeline(scalar)
+
+
+# -- trial counts ------------------------------------------------------------------------------
+
+
+def test_trial_counts_fixed_and_drawn(tmp_path):
+    data = _pipeline_dict()
+    data["epsilons"] = [1, 8]
+    data["trials"] = 6
+    assert set(load_pipeline(_write_pipeline(tmp_path, data)).trial_counts().values()) == {6}
+    for kind, shape in (("poisson", math.inf), ("geometric", 1.0)):
+        data["trial_count"] = kind
+        first = load_pipeline(_write_pipeline(tmp_path, data))
+        again = load_pipeline(_write_pipeline(tmp_path, data))
+        assert first.trial_count_shape == shape
+        counts = first.trial_counts()
+        assert counts == again.trial_counts() == first.trial_counts()
+        assert len(counts) == 4 and all(isinstance(k, int) and k >= 1 for k in counts.values())
+        seeds = {
+            tuple(first.model_copy(update={"seed": s}).trial_counts().values()) for s in range(20)
+        }
+        assert len(seeds) > 1  # the seed matters
+
+
+@pytest.mark.parametrize("kind", ["poisson", "geometric"])
+@pytest.mark.parametrize("mean", [1, 3, 8])
+def test_drawn_trial_counts_have_the_right_mean(kind, mean):
+    draws = np.array([draw_trial_count(kind, mean, seed, "dp-sgd@8.0") for seed in range(4000)])
+    assert draws.min() >= 1
+    assert draw_trial_count(kind, mean, 7, "a") == draw_trial_count(kind, mean, 7, "a")
+    expected = mean + math.exp(-mean) if kind == "poisson" else mean  # poisson: 0 -> 1
+    std = math.sqrt(mean) if kind == "poisson" else math.sqrt(mean * (mean - 1)) + 1e-9
+    assert abs(draws.mean() - expected) < 4 * std / math.sqrt(len(draws)) + 1e-9
+    if mean == 1 and kind == "geometric":
+        assert set(draws) == {1}
+    other_group = [draw_trial_count(kind, mean, s, "dp-adam@8.0") for s in range(50)]
+    if mean > 1:
+        assert other_group != list(draws[:50])  # a per-group offset
+
+
+def test_fixed_trial_count_and_bad_kind():
+    assert draw_trial_count("fixed", 5, 0, "x") == 5
+    with pytest.raises(DpivonError, match="unknown trial_count"):
+        draw_trial_count("uniform", 5, 0, "x")
+
+
+def test_train_config_fields_used_by_pipelines_exist():
+    from dpivon.search.pipeline import _PIPELINE_KEYS
+    from dpivon.search.space import PIPELINE_OWNED_FIELDS
+
+    fields = set(TrainConfig.model_fields)
+    assert set(PIPELINE_OWNED_FIELDS) <= fields and set(_PIPELINE_KEYS) <= fields
