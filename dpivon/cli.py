@@ -40,8 +40,15 @@ def user_errors(command: Callable) -> Callable:
     return wrapper
 
 
-EPOCH_LINE = ("train_loss", "val_accuracy", "val_ece", "val_nll", "epsilon_spent",
-              "projected_fraction", "hess_median")
+EPOCH_LINE = (
+    "train_loss",
+    "val_accuracy",
+    "val_ece",
+    "val_nll",
+    "epsilon_spent",
+    "projected_fraction",
+    "hess_median",
+)
 
 
 def _given(**flags: Any) -> dict[str, Any]:
@@ -120,8 +127,11 @@ def train(
         seed=seed,
         device=device,
     )
-    configs = (load_configs(config, overrides) if config is not None
-               else [parse_config(overrides, source="options")])
+    configs = (
+        load_configs(config, overrides)
+        if config is not None
+        else [parse_config(overrides, source="options")]
+    )
     for cfg in configs:
         if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
             console.print(f"[yellow]note:[/] {cfg.optimizer} is not private: --epsilon is ignored")
@@ -135,14 +145,18 @@ def train(
             tracker.log_params(run_id, cfg.model_dump(mode="json"))
             tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
 
-            def log_epoch(report, run_id=run_id) -> None:
+            def log_epoch(report, run_id=run_id, epochs=cfg.epochs) -> None:
                 tracker.log_metrics(run_id, report.metrics, step=report.epoch)
                 shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
-                console.print(f"epoch {report.epoch}/{cfg.epochs} " + " ".join(
-                    f"{k}={v:.4g}" for k, v in shown.items()), highlight=False)
+                console.print(
+                    f"epoch {report.epoch}/{epochs} "
+                    + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
+                    highlight=False,
+                )
 
-            result = run_training(cfg, data=data, on_epoch_end=log_epoch,
-                                  progress=sys.stderr.isatty())
+            result = run_training(
+                cfg, data=data, on_epoch_end=log_epoch, progress=sys.stderr.isatty()
+            )
             log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])
@@ -180,8 +194,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def sweep(
     pipeline: Opt[Path, typer.Argument(help="pipeline YAML, e.g. pipelines/quickstart.yaml")],
     resume: Opt[bool, typer.Option(help="continue this pipeline's interrupted sweep")] = False,
-    address: Opt[str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, "
-                                                "else a local Ray)")] = None,
+    address: Opt[
+        str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
+    ] = None,
     tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
@@ -191,15 +206,21 @@ def sweep(
     loaded = load_pipeline(pipeline)
     trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
     counts = trials["status"].value_counts().to_dict()
-    console.print(f"sweep {loaded.name!r} finished: {counts}; results in "
-                  f"{sweep_directory(loaded)}; open the MLflow UI with `make ui`")
+    console.print(
+        f"sweep {loaded.name!r} finished: {counts}; results in "
+        f"{sweep_directory(loaded)}; open the MLflow UI with `make ui`"
+    )
 
 
 @app.command()
 @user_errors
 def pareto(
-    sweep_ref: Opt[str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")],
-    out: Opt[Path | None, typer.Option(help="plot path (.png; an .html is written beside it)")] = None,
+    sweep_ref: Opt[
+        str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")
+    ],
+    out: Opt[
+        Path | None, typer.Option(help="plot path (.png; an .html is written beside it)")
+    ] = None,
 ) -> None:
     """Print a finished sweep's Pareto fronts (validation; test for members) and plot them."""
     from dpivon.search.export import load_results, resolve_sweep
@@ -209,20 +230,33 @@ def pareto(
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
-    extra = [c for c in ("test_accuracy", "test_ece", "param.lr", "param.batch_size",
-                         "param.max_grad_norm", "param.hess_init") if c in front]
+    extra = [
+        c
+        for c in (
+            "test_accuracy",
+            "test_ece",
+            "param.lr",
+            "param.batch_size",
+            "param.max_grad_norm",
+            "param.hess_init",
+        )
+        if c in front
+    ]
     Console().print(format_front_table(front, state.objectives, extra))
     out = out or directory / "pareto.png"
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
-    plot_fronts_html(trials, state.objectives, out.with_suffix(".html"),
-                     f"{state.name}: Pareto fronts")
+    plot_fronts_html(
+        trials, state.objectives, out.with_suffix(".html"), f"{state.name}: Pareto fronts"
+    )
     console.print(f"wrote {out} and {out.with_suffix('.html')}")
 
 
 @app.command()
 @user_errors
 def export(
-    sweep_ref: Opt[str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")],
+    sweep_ref: Opt[
+        str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")
+    ],
     out: Opt[Path, typer.Option(help="YAML file for `dpivon train --config`")],
     pick: Opt[str, typer.Option(help="knee, max-accuracy, min-ece or pareto")] = "knee",
     optimizer: Opt[str | None, typer.Option(help="only this optimizer's front")] = None,
@@ -236,8 +270,15 @@ def export(
 
     directory = resolve_sweep(sweep_ref)
     objectives = SweepState.load(directory).objectives
-    picked = export_configs(directory, objectives, pick, optimizer=optimizer, epsilon=epsilon,
-                            epochs=epochs, full_data=full_data)
+    picked = export_configs(
+        directory,
+        objectives,
+        pick,
+        optimizer=optimizer,
+        epsilon=epsilon,
+        epochs=epochs,
+        full_data=full_data,
+    )
     write_configs(out, picked, objectives, pick)
     console.print(f"wrote {len(picked)} config(s) to {out}; run: dpivon train --config {out}")
 

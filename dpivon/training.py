@@ -173,7 +173,9 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True)
         return TrainingSetup(model, model, optimizer, ivon, loader, None)
     private = make_private(model, optimizer, data.train, plan, batch_size=config.batch_size)
-    return TrainingSetup(model, private.model, private.optimizer, ivon, private.data_loader, private)
+    return TrainingSetup(
+        model, private.model, private.optimizer, ivon, private.data_loader, private
+    )
 
 
 def _lr_scheduler(config: TrainConfig, setup: TrainingSetup) -> torch.optim.lr_scheduler.LambdaLR:
@@ -298,9 +300,12 @@ def train(
             metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
             if setup.private is not None:
                 plan = setup.private.plan
-                metrics.update(epsilon_spent=setup.private.epsilon_spent(),
-                               noise_multiplier=plan.noise_multiplier,
-                               sample_rate=plan.sample_rate, steps=setup.private.steps_taken)
+                metrics.update(
+                    epsilon_spent=setup.private.epsilon_spent(),
+                    noise_multiplier=plan.noise_multiplier,
+                    sample_rate=plan.sample_rate,
+                    steps=setup.private.steps_taken,
+                )
             if setup.ivon is not None:
                 metrics.update(setup.ivon.curvature_diagnostics())
                 if config.optimizer == "dp-ivon-gradsq":

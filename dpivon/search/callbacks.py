@@ -8,6 +8,7 @@ does not tolerate concurrent ones). They are pickled with the Tune experiment fo
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from ray import tune
@@ -125,7 +126,7 @@ def trial_error(trial) -> str:
     """The last line of the trial's error file: the exception, without Ray's traceback."""
     error_file = getattr(trial, "error_file", None)
     try:
-        lines = [line for line in open(error_file).read().splitlines() if line.strip()]
+        lines = [line for line in Path(error_file).read_text().splitlines() if line.strip()]
         return lines[-1][:2000] if lines else str(error_file)
     except (OSError, TypeError):
         return "failed (see the Ray trial logs)"

@@ -59,10 +59,16 @@ def run_trial(
                 checkpoint=tune.Checkpoint.from_directory(directory),
             )
 
-    result = train(config, data=data, on_epoch_end=report_epoch, resume_state=resume_state,
-                   evaluate_test=False)
-    final_metrics = {**result.history[-1], **_privacy_facts(result.summary()), COMPLETE: 1,
-                     "wall_time_s": result.wall_time_s, **node}
+    result = train(
+        config, data=data, on_epoch_end=report_epoch, resume_state=resume_state, evaluate_test=False
+    )
+    final_metrics = {
+        **result.history[-1],
+        **_privacy_facts(result.summary()),
+        COMPLETE: 1,
+        "wall_time_s": result.wall_time_s,
+        **node,
+    }
     with tempfile.TemporaryDirectory() as directory:
         save_checkpoint(Path(directory) / MODEL_FILE, config, result.model, result.posterior)
         tune.report(final_metrics, checkpoint=tune.Checkpoint.from_directory(directory))
