@@ -33,6 +33,7 @@ shown or described)::
     storage_path: dpivon-runs        # Ray Tune results; relative to the current directory
     max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
+    # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
 
 A space path is looked up relative to the pipeline file's directory, then relative to the
 current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
@@ -175,6 +176,7 @@ class DataSpec(_Strict):
 class OptimizerEntry(_Strict):
     name: str
     space: str = Field(min_length=1)
+    train: dict[str, Any] = Field(default_factory=dict)  # fixed keys for this optimizer only
 
     @field_validator("name")
     @classmethod
@@ -471,6 +473,7 @@ class Pipeline(_Strict):
             seed=self.seed,
         )
         config.update(self.train)
+        config.update(next(e.train for e in self.optimizers if e.name == optimizer))
         return config
 
 

@@ -14,6 +14,7 @@ groups), one Tune experiment folder per group, and the final tables.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -110,6 +111,9 @@ def _sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
 
 
 def _init_ray(address: str | None) -> None:
+    # Trial failures are reported by SweepProgress in one line and recorded in MLflow;
+    # Tune's own tracebacks and state messages would bury them.
+    logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -118,7 +122,7 @@ def _init_ray(address: str | None) -> None:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
 
