@@ -285,3 +285,7 @@ def export(
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()
