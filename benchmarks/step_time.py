@@ -4,7 +4,7 @@ All optimizers run in this one process on the same model, batch size and data, t
 same `build_training` / `train_step` the real training loop uses (Opacus hooks, Poisson
 sampling, IVON posterior sampling). Target: dp-ivon-gradsq <= 1.10x dp-adam.
 
-    python benchmarks/step_time.py            # tanh-cnn, batch 256, 3 warm-up + 10 steps
+    python benchmarks/step_time.py            # tanh-cnn, batch 256, 3 warm-up + 10 rounds
     python benchmarks/step_time.py --model small-cnn --steps 20
 """
 
@@ -22,28 +22,27 @@ from dpivon.config import OPTIMIZER_NAMES, parse_config
 from dpivon.training import build_training, load_data, resolve_device, seed_everything, train_step
 
 
-def time_optimizer(name: str, args: argparse.Namespace, data) -> list[float]:
+def build(name: str, args: argparse.Namespace, data):
     config = parse_config({
         "dataset": "synthetic", "synthetic_size": args.train_size, "model": args.model,
         "optimizer": name, "batch_size": args.batch_size, "epochs": 1, "device": args.device,
     })
     seed_everything(0)
+    setup = build_training(config, data, resolve_device(config.device))
+    return config, setup, iter(setup.loader)
+
+
+def timed_step(config, setup, batches) -> float:
     device = resolve_device(config.device)
-    setup = build_training(config, data, device)
-    batches = iter(setup.loader)
-    times = []
-    for i in range(args.warmup + args.steps):
-        x, y = next(batches)
-        x, y = x.to(device), y.to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(setup, x, y, config.mc_samples)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append((time.perf_counter() - start) * 1000)
-    return times
+    x, y = next(batches)
+    x, y = x.to(device), y.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    train_step(setup, x, y, config.mc_samples)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000
 
 
 def main() -> None:
@@ -57,14 +56,23 @@ def main() -> None:
     args = parser.parse_args()
     # Enough examples that Poisson sampling at the given batch size never runs out of steps.
     args.train_size = args.batch_size * (args.warmup + args.steps + 2) * 10 // 9 + 100
+    # (one Poisson pass over that many examples has more than warmup + steps batches)
     data = load_data(parse_config({"dataset": "synthetic", "synthetic_size": args.train_size}))
 
     names = ["adam"] + [n for n in args.optimizers if n != "adam"]
-    medians = {}
-    for name in names:
-        times = time_optimizer(name, args, data)
-        medians[name] = statistics.median(times)
-        print(f"{name:28s} {medians[name]:9.1f} ms/step (min {min(times):.1f})", flush=True)
+    runs = {name: build(name, args, data) for name in names}
+    for run in runs.values():
+        for _ in range(args.warmup):
+            timed_step(*run)
+    # Round-robin, one step of each optimizer per round: drift in machine load (other
+    # processes, frequency scaling) hits every optimizer alike instead of the last ones.
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.steps):
+        for name, run in runs.items():
+            times[name].append(timed_step(*run))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, ms in medians.items():
+        print(f"{name:28s} {ms:9.1f} ms/step (min {min(times[name]):.1f})", flush=True)
 
     table = Table(title=f"{args.model}, batch {args.batch_size}, {torch.get_num_threads()} "
                   f"threads, median of {args.steps} steps")
