@@ -224,7 +224,7 @@ def pareto(
 ) -> None:
     """Print a finished sweep's Pareto fronts (validation; test for members) and plot them."""
     from dpivon.search.export import load_results, resolve_sweep
-    from dpivon.search.pareto import format_front_table, plot_fronts_html, plot_fronts_png
+    from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
     directory = resolve_sweep(sweep_ref)
@@ -242,7 +242,7 @@ def pareto(
         )
         if c in front
     ]
-    Console().print(format_front_table(front, state.objectives, extra))
+    print_front_table(front, state.objectives, extra)
     out = out or directory / "pareto.png"
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
     plot_fronts_html(

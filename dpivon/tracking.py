@@ -35,6 +35,8 @@ from dpivon.models import build_model
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
 _MAX_BATCH = 100  # MLflow's limit of params / metrics per log_batch call
+# Progress bars for kilobyte-sized artifact copies only clutter the logs.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
@@ -222,9 +224,10 @@ def log_model(
         with mlflow.start_run(run_id=run_id):
             mlflow.pyfunc.log_model(
                 name="model",
-                python_model=PosteriorClassifier(),
+                python_model=str(Path(__file__).with_name("mlflow_model.py")),
                 artifacts={"checkpoint": str(checkpoint)},
                 signature=_model_signature(config),
+                input_example=np.zeros((1, 3, 32, 32), dtype=np.float32),
                 pip_requirements=["dpivon", "torch", "mlflow"],
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.

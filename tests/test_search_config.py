@@ -145,10 +145,10 @@ def test_shipped_pipeline_loads_and_every_trial_is_a_train_config(path):
 
 def test_shipped_pipelines_say_what_they_promise():
     quick = load_pipeline(ROOT / "pipelines/quickstart.yaml")
-    assert quick.data.train_size == 1000 and quick.data.val_size == 1000
-    assert quick.model == "small-cnn" and quick.epochs == 3 and quick.epsilon_list == [8.0]
+    assert quick.data.train_size == 4000 and quick.data.val_size == 1000
+    assert quick.model == "small-cnn" and quick.epochs == 4 and quick.epsilon_list == [8.0]
     assert quick.optimizer_names == ["dp-ivon-gradsq", "dp-sgd", "dp-adam"]
-    assert quick.trials == 3 and quick.concurrency == 2 and quick.resources.cpu == 1
+    assert quick.trials == 4 and quick.concurrency == 2 and quick.resources.cpu == 1
     assert quick.scheduler.type == "asha" and quick.train == {"bma_samples": 8}
     grid = load_pipeline(ROOT / "pipelines/cifar10-eps-grid.yaml")
     assert grid.data.train_size == 45_000 and grid.model == "tanh-cnn" and grid.epochs == 30

@@ -14,12 +14,14 @@ front point, whatever its values. Internally every objective is turned into a mi
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
 from rich.table import Table
 
 from dpivon.errors import DpivonError
@@ -520,7 +522,7 @@ def format_front_table(
 ) -> Table:
     """A rich table of front rows: group/trial columns, objectives (with arrows), extras."""
     metrics, modes = _check_objectives(objectives)
-    lead = [c for c in ("optimizer", "epsilon", "trial_id", "status") if c in front.columns]
+    lead = [c for c in ("optimizer", "epsilon", "trial_id") if c in front.columns]
     extras = [c for c in extra_columns if c in front.columns and c not in (*lead, *metrics)]
     table = Table(title="Pareto front", show_lines=False)
     for c in lead:
@@ -532,3 +534,11 @@ def format_front_table(
     for _, row in front.iterrows():
         table.add_row(*(_fmt(row[c]) for c in (*lead, *metrics, *extras)))
     return table
+
+
+def print_front_table(
+    front: pd.DataFrame, objectives: Objectives, extra_columns: Sequence[str] = ()
+) -> None:
+    """Print the front on stdout; off a terminal (logs, CI) at a width that fits it."""
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console.print(format_front_table(front, objectives, extra_columns))

@@ -45,11 +45,11 @@ from dpivon.search.callbacks import (
     SweepProgress,
 )
 from dpivon.search.pareto import (
-    format_front_table,
     hypervolume_2d,
     pareto_front,
     plot_fronts_html,
     plot_fronts_png,
+    print_front_table,
 )
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.trial import COMPLETE, MODEL_FILE, run_trial
@@ -378,7 +378,7 @@ def _finalize(
     plot_fronts_html(trials, objectives, directory / "pareto.html", title)
     tracker.log_artifact(parent, directory / "pareto.png")
     tracker.log_artifact(parent, directory / "pareto.html")
-    console.print(format_front_table(front, objectives, ["test_accuracy", "test_ece"]))
+    print_front_table(front, objectives, ["test_accuracy", "test_ece", "test_nll"])
     return trials
 
 
