@@ -8,6 +8,7 @@ default store is MLflow's own: ``sqlite:///mlflow.db`` in the working directory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -37,6 +38,7 @@ DEFAULT_EXPERIMENT = "dpivon"
 _MAX_BATCH = 100  # MLflow's limit of params / metrics per log_batch call
 # Progress bars for kilobyte-sized artifact copies only clutter the logs.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

@@ -114,6 +114,8 @@ def _init_ray(address: str | None) -> None:
     # Trial failures are reported by SweepProgress in one line and recorded in MLflow;
     # Tune's own tracebacks and state messages would bury them.
     logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables at all
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
