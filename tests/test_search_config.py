@@ -156,7 +156,7 @@ def test_shipped_pipelines_say_what_they_promise():
     assert grid.resources.gpu == 0.5 and grid.concurrency == 8
     cluster = load_pipeline(ROOT / "pipelines/cluster-example.yaml")
     assert "ray://head:10001" in cluster.source_text and "RayJob" in cluster.source_text
-    assert "postgresql://" in cluster.source_text
+    assert "postgresql+psycopg2://" in cluster.source_text
     assert cluster.optimizer_names == grid.optimizer_names
     smoke = load_pipeline(ROOT / "pipelines/smoke.yaml")
     assert smoke.data.dataset == "synthetic" and smoke.epochs == 2
