@@ -236,6 +236,15 @@ def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[di
     return state["epoch"], list(state["history"])
 
 
+def _posterior(setup: TrainingSetup) -> Posterior | None:
+    return Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
+
+
+def _evaluate(config: TrainConfig, setup: TrainingSetup, dataset, posterior) -> Evaluation:
+    return evaluate(setup.model, dataset, posterior=posterior, bma_samples=config.bma_samples,
+                    n_bins=config.ece_bins, seed=config.seed)
+
+
 def _progress(enabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -287,15 +296,8 @@ def train(
                 scheduler.step()
                 bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
 
-            posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
-            val = evaluate(
-                setup.model,
-                data.val,
-                posterior=posterior,
-                bma_samples=config.bma_samples,
-                n_bins=config.ece_bins,
-                seed=config.seed,
-            )
+            posterior = _posterior(setup)
+            val = _evaluate(config, setup, data.val, posterior)
             metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
             metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
             if setup.private is not None:
@@ -326,25 +328,11 @@ def train(
                 raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
 
     if val is None:  # resumed after the last epoch: evaluate the restored model
-        posterior = Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
-        val = evaluate(
-            setup.model,
-            data.val,
-            posterior=posterior,
-            bma_samples=config.bma_samples,
-            n_bins=config.ece_bins,
-            seed=config.seed,
-        )
+        posterior = _posterior(setup)
+        val = _evaluate(config, setup, data.val, posterior)
     test, diagram = None, None
     if evaluate_test:
-        test_eval = evaluate(
-            setup.model,
-            data.test,
-            posterior=posterior,
-            bma_samples=config.bma_samples,
-            n_bins=config.ece_bins,
-            seed=config.seed,
-        )
+        test_eval = _evaluate(config, setup, data.test, posterior)
         test = test_eval.metrics
         diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.ece_bins)
     private = setup.private
