@@ -1,91 +1,345 @@
-"""Milliseconds per training step of every optimizer, as ratios to non-private Adam.
+"""Cost of a private step: every private optimizer x clipping engine against non-private Adam.
 
-All optimizers run in this one process on the same model, batch size and data, through the
-same `build_training` / `train_step` the real training loop uses (Opacus hooks, Poisson
-sampling, IVON posterior sampling). Target: dp-ivon-gradsq <= 1.10x dp-adam.
+Every configuration is built by the `build_training` / `train_step` the training loop uses
+(Poisson batches on the device, the engine's criterion, Opacus noise and accounting, IVON
+posterior sampling), on the same model, expected batch size and synthetic data. For each
+(model, batch size) all configurations live in one process and are timed round-robin, one
+step of each per round, so drift in machine load hits them alike; ms/step is the median
+after warm-up. Ratios compare configurations of the same model and batch size.
 
-    python benchmarks/step_time.py            # tanh-cnn, batch 256, 3 warm-up + 10 rounds
-    python benchmarks/step_time.py --model small-cnn --steps 20
+Peak memory is what one step holds beyond what existed before it (model, optimizer state,
+data): on CUDA ``torch.cuda.max_memory_allocated`` minus the allocation before the step; on
+CPU the peak resident set size, sampled every millisecond by a thread, minus the RSS before
+the step (after ``malloc_trim`` has returned freed heap memory to the system), one separate
+step per configuration. tracemalloc does not see torch's allocations.
+
+One epoch end to end (``--epoch-size``): `dpivon.training.train` for one epoch, including
+the data loading and the validation and test evaluation (BMA for the IVON family).
+
+    python benchmarks/step_time.py --models tanh-cnn --batch-sizes 256      # CPU, minutes
+    python benchmarks/step_time.py --optimizers dp-ivon-gradsq dp-adam --engines bk hooks
+    python benchmarks/step_time.py --json results.json --epoch-size 50000 --dataset cifar10
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import functools
+import itertools
+import json
+import os
 import statistics
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from dpivon.config import OPTIMIZER_NAMES, parse_config
+from dpivon import training
+from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
+from dpivon.data import DataSplits
+from dpivon.privacy.engine import plan_privacy
 from dpivon.training import build_training, load_data, resolve_device, seed_everything, train_step
 
+BASELINE = "adam"
+ENGINES = ("bk", "hooks", "functorch", "ghost")
+# The noise calibration depends on (epsilon, delta, C, N, b, epochs) only: the same for all
+# configurations of a (model, batch size), so it is computed once for them.
+training.plan_privacy = functools.cache(plan_privacy)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
-def build(name: str, args: argparse.Namespace, data):
-    config = parse_config({
-        "dataset": "synthetic", "synthetic_size": args.train_size, "model": args.model,
-        "optimizer": name, "batch_size": args.batch_size, "epochs": 1, "device": args.device,
-    })
+
+@dataclass(frozen=True)
+class Row:
+    """One measured configuration (the ``--json`` output is a list of these)."""
+
+    measure: str  # "step" or "epoch"
+    optimizer: str
+    engine: str  # "none" for non-private Adam; the resolved engine for epochs
+    model: str
+    batch_size: int
+    ms_per_step: float
+    samples_per_s: float
+    peak_mem_mb: float | None
+    ratio_to_adam: float
+    ratio_to_dp_adam: float | None
+    mem_ratio_to_adam: float | None
+    epoch_s: float | None
+    device: str
+    threads: int
+
+
+# --- one step ---------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    config: TrainConfig
+    setup: training.TrainingSetup
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+
+
+def build_run(optimizer: str, engine: str, model: str, batch_size: int, data, device) -> Run:
+    fields = {
+        "dataset": "synthetic",
+        "model": model,
+        "optimizer": optimizer,
+        "batch_size": batch_size,
+        "epochs": 1,
+        "device": str(device),
+    }
+    if optimizer in PRIVATE_OPTIMIZERS:
+        fields["engine"] = engine
+    config = parse_config(fields)
     seed_everything(0)
-    setup = build_training(config, data, resolve_device(config.device))
-    return config, setup, iter(setup.loader)
+    setup = build_training(config, data, device)
+    # Pass after pass over the (small) training set: Poisson batches of expected size b.
+    batches = itertools.chain.from_iterable(itertools.repeat(setup.loader))
+    return Run(config, setup, batches, device)
 
 
-def timed_step(config, setup, batches) -> float:
-    device = resolve_device(config.device)
-    x, y = next(batches)
-    x, y = x.to(device), y.to(device)
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
+
+
+def timed_step(run: Run) -> float:
+    """Milliseconds of one train_step (batch drawn before the clock starts)."""
+    x, y = next(run.batches)
+    synchronize(run.device)
     start = time.perf_counter()
-    train_step(setup, x, y, config.mc_samples)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    train_step(run.setup, x, y, run.config.mc_samples)
+    synchronize(run.device)
     return (time.perf_counter() - start) * 1000
+
+
+class PeakRss:
+    """Peak resident set size while the block runs, sampled every millisecond."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def release_free_heap() -> None:
+    """Give freed heap memory back to the system, so that RSS starts from what is live."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS includes free heap
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def step_peak_memory_mb(run: Run) -> float:
+    """Memory one step holds at its peak beyond what was allocated before it."""
+    if run.device.type == "cuda":
+        synchronize(run.device)
+        before = torch.cuda.memory_allocated(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+        timed_step(run)
+        return (torch.cuda.max_memory_allocated(run.device) - before) / 2**20
+    release_free_heap()
+    before = PeakRss.now()
+    with PeakRss() as rss:
+        timed_step(run)
+    return (rss.peak - before) / 2**20
+
+
+# --- one (model, batch size): all configurations round-robin ------------------------------
+
+
+def synthetic_data(batch_size: int) -> DataSplits:
+    """Enough examples for Poisson batches of expected size b (q = 1/4)."""
+    size = 4 * batch_size + max(batch_size // 2, 10)  # the validation split takes a tenth
+    return load_data(parse_config({"dataset": "synthetic", "synthetic_size": size}))
+
+
+def measure_steps(args: argparse.Namespace, model: str, batch_size: int, device) -> list[Row]:
+    data = synthetic_data(batch_size)
+    configs = [(BASELINE, "none")] + [
+        (opt, engine) for opt in args.optimizers for engine in args.engines
+    ]
+    runs = {key: build_run(*key, model, batch_size, data, device) for key in configs}
+    for run in runs.values():
+        for _ in range(args.warmup):
+            timed_step(run)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for _ in range(args.steps):
+        for key, run in runs.items():
+            times[key].append(timed_step(run))
+    memory = {key: step_peak_memory_mb(run) for key, run in runs.items()}
+    ms = {key: statistics.median(t) for key, t in times.items()}
+    base = (BASELINE, "none")
+    rows = []
+    for (optimizer, engine), value in ms.items():
+        dp_adam = ms.get(("dp-adam", engine))
+        rows.append(
+            Row(
+                measure="step",
+                optimizer=optimizer,
+                engine=engine,
+                model=model,
+                batch_size=batch_size,
+                ms_per_step=value,
+                samples_per_s=batch_size * 1000 / value,
+                peak_mem_mb=memory[(optimizer, engine)],
+                ratio_to_adam=value / ms[base],
+                ratio_to_dp_adam=value / dp_adam if dp_adam else None,
+                mem_ratio_to_adam=memory[(optimizer, engine)] / memory[base],
+                epoch_s=None,
+                device=device.type,
+                threads=torch.get_num_threads(),
+            )
+        )
+    return rows
+
+
+# --- one epoch end to end -----------------------------------------------------------------
+
+
+def measure_epochs(args: argparse.Namespace, model: str, device) -> list[Row]:
+    """Wall time of load_data + one epoch of train (with evaluation), per optimizer."""
+    results = {}
+    for optimizer in (BASELINE, *args.epoch_optimizers):
+        fields = {
+            "dataset": args.dataset,
+            "data_path": args.data_path,
+            "model": model,
+            "optimizer": optimizer,
+            "batch_size": args.epoch_batch_size,
+            "epochs": 1,
+            "device": str(device),
+        }
+        if args.dataset == "synthetic":
+            fields["synthetic_size"] = args.epoch_size
+        elif args.epoch_size:
+            fields["per_class"] = args.epoch_size // 10
+        config = parse_config(fields)
+        start = time.perf_counter()
+        result = training.train(config, data=load_data(config))
+        results[optimizer] = (time.perf_counter() - start, result)
+    base_s = results[BASELINE][0]
+    return [
+        Row(
+            measure="epoch",
+            optimizer=optimizer,
+            engine=result.engine or "none",
+            model=model,
+            batch_size=args.epoch_batch_size,
+            ms_per_step=seconds * 1000 / result.steps,
+            samples_per_s=args.epoch_batch_size * result.steps / seconds,
+            peak_mem_mb=None,
+            ratio_to_adam=seconds / base_s,
+            ratio_to_dp_adam=None,
+            mem_ratio_to_adam=None,
+            epoch_s=seconds,
+            device=device.type,
+            threads=torch.get_num_threads(),
+        )
+        for optimizer, (seconds, result) in results.items()
+    ]
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def print_step_tables(steps: list[Row], console: Console) -> None:
+    for model, batch_size in dict.fromkeys((r.model, r.batch_size) for r in steps):
+        table = Table(
+            title=f"{model}, batch {batch_size}, {steps[0].device}, {steps[0].threads} threads"
+        )
+        columns = ("optimizer", "engine", "ms/step", "samples/s", "x adam", "x dp-adam")
+        for column in (*columns, "peak MB", "mem x adam"):
+            table.add_column(column, justify="left" if column in columns[:2] else "right")
+        for r in steps:
+            if (r.model, r.batch_size) != (model, batch_size):
+                continue
+            table.add_row(
+                r.optimizer,
+                r.engine,
+                f"{r.ms_per_step:.1f}",
+                f"{r.samples_per_s:.0f}",
+                f"{r.ratio_to_adam:.2f}",
+                "-" if r.ratio_to_dp_adam is None else f"{r.ratio_to_dp_adam:.3f}",
+                f"{r.peak_mem_mb:.0f}",
+                f"{r.mem_ratio_to_adam:.2f}",
+            )
+        console.print(table)
+
+
+def print_epoch_table(epochs: list[Row], console: Console) -> None:
+    table = Table(title="one epoch end to end (data, training, validation and test)")
+    for column in ("model", "optimizer", "engine", "batch", "epoch s", "x adam"):
+        table.add_column(column, justify="right" if column in ("epoch s", "x adam") else "left")
+    for r in epochs:
+        table.add_row(
+            r.model,
+            r.optimizer,
+            r.engine,
+            str(r.batch_size),
+            f"{r.epoch_s:.1f}",
+            f"{r.ratio_to_adam:.2f}",
+        )
+    console.print(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tanh-cnn")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=["tanh-cnn", "wrn-16-4"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[256, 1024])
+    parser.add_argument("--optimizers", nargs="+", default=list(PRIVATE_OPTIMIZERS))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), help="ew also works")
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--optimizers", nargs="*", default=list(OPTIMIZER_NAMES))
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--epoch-size", type=int, default=0, help="0: no epoch measurement")
+    parser.add_argument("--epoch-batch-size", type=int, default=256)
+    parser.add_argument("--epoch-optimizers", nargs="+", default=["dp-ivon-gradsq", "dp-adam"])
+    parser.add_argument("--dataset", default="synthetic", help="for the epochs: or cifar10")
+    parser.add_argument("--data-path", default=None, help="CIFAR-10 (else $DPIVON_DATA)")
     args = parser.parse_args()
-    # Enough examples that Poisson sampling at the given batch size never runs out of steps.
-    args.train_size = args.batch_size * (args.warmup + args.steps + 2) * 10 // 9 + 100
-    # (one Poisson pass over that many examples has more than warmup + steps batches)
-    data = load_data(parse_config({"dataset": "synthetic", "synthetic_size": args.train_size}))
+    device = resolve_device(args.device)
+    console = Console()
 
-    names = ["adam"] + [n for n in args.optimizers if n != "adam"]
-    runs = {name: build(name, args, data) for name in names}
-    for run in runs.values():
-        for _ in range(args.warmup):
-            timed_step(*run)
-    # Round-robin, one step of each optimizer per round: drift in machine load (other
-    # processes, frequency scaling) hits every optimizer alike instead of the last ones.
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.steps):
-        for name, run in runs.items():
-            times[name].append(timed_step(*run))
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    for name, ms in medians.items():
-        print(f"{name:28s} {ms:9.1f} ms/step (min {min(times[name]):.1f})", flush=True)
-
-    table = Table(title=f"{args.model}, batch {args.batch_size}, {torch.get_num_threads()} "
-                  f"threads, median of {args.steps} steps")
-    for column in ("optimizer", "ms/step", "x adam", "x dp-adam"):
-        table.add_column(column, justify="right" if column != "optimizer" else "left")
-    for name, ms in medians.items():
-        vs_dp_adam = f"{ms / medians['dp-adam']:.2f}" if "dp-adam" in medians else "-"
-        table.add_row(name, f"{ms:.1f}", f"{ms / medians['adam']:.2f}", vs_dp_adam)
-    Console().print(table)
-    if "dp-adam" in medians and "dp-ivon-gradsq" in medians:
-        ratio = medians["dp-ivon-gradsq"] / medians["dp-adam"]
-        verdict = "meets" if ratio <= 1.10 else "MISSES"
-        print(f"dp-ivon-gradsq / dp-adam = {ratio:.3f} ({verdict} the 1.10x target)")
+    rows: list[Row] = []
+    for model in args.models:
+        for batch_size in args.batch_sizes:
+            group = measure_steps(args, model, batch_size, device)
+            print_step_tables(group, console)
+            rows += group
+    if args.epoch_size:
+        epochs = [row for model in args.models for row in measure_epochs(args, model, device)]
+        print_epoch_table(epochs, console)
+        rows += epochs
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+        console.print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

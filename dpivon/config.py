@@ -21,6 +21,7 @@ PRIVATE_OPTIMIZERS = (
     "dp-ivon",
     "dp-sgd",
     "dp-adam",
+    "dp-adambc",
 )
 NONPRIVATE_OPTIMIZERS = ("ivon", "sgd", "adam")
 OPTIMIZER_NAMES = PRIVATE_OPTIMIZERS + NONPRIVATE_OPTIMIZERS
@@ -28,19 +29,55 @@ IVON_FAMILY = ("ivon", "dp-ivon-gradsq", "dp-ivon-gradsq-uncorrected", "dp-ivon"
 
 # IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
 # needs a far larger lr: its step is about lr * g_dp while h stays near hess_init.
-_IVON_DEFAULTS = dict(hess_init=0.5, beta2=0.99999, weight_decay=2e-4)
+_IVON_DEFAULTS = dict(hess_init=0.5, beta2=0.99999, weight_decay=2e-4, hess_floor=0.0)
+# The paper's per-step v_hat; the other estimators answer its collapse (dpivon.optim.ivon).
+_GRADSQ_DEFAULTS = dict(
+    hess_approx="gradsq",
+    curvature_estimator="per-step",
+    curvature_ema=0.99,
+    curvature_pool="tensor",
+)
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float | str]] = {
     "sgd": dict(lr=0.1, momentum=0.9, weight_decay=5e-4),
     "adam": dict(lr=2e-3, beta2=0.999, weight_decay=0.0),
     "ivon": dict(lr=0.2, hess_approx="price", **_IVON_DEFAULTS),
     "dp-sgd": dict(lr=0.5, momentum=0.9, weight_decay=0.0),
     "dp-adam": dict(lr=2e-3, beta2=0.999, weight_decay=0.0),
-    "dp-ivon-gradsq": dict(lr=3.0, hess_approx="gradsq", **_IVON_DEFAULTS),
-    "dp-ivon-gradsq-uncorrected": dict(lr=3.0, hess_approx="gradsq", **_IVON_DEFAULTS),
+    # The authors' CIFAR-10 CNN setting (lr 5e-6, gamma' 1e-9, with C 3 and batch 1024):
+    # gamma' bounds 1 / sqrt(v_corr), so the lr sits far below DP-Adam's.
+    "dp-adambc": dict(lr=5e-6, beta2=0.999, weight_decay=0.0, second_moment_floor=1e-9),
+    "dp-ivon-gradsq": dict(lr=3.0, **_GRADSQ_DEFAULTS, **_IVON_DEFAULTS),
+    "dp-ivon-gradsq-uncorrected": dict(lr=3.0, **_GRADSQ_DEFAULTS, **_IVON_DEFAULTS),
     "dp-ivon": dict(lr=3.0, hess_approx="price", **_IVON_DEFAULTS),
 }
 # The private IVON variants are defined by their estimator; only plain IVON may choose.
 _FIXED_ESTIMATOR = {"dp-ivon-gradsq", "dp-ivon-gradsq-uncorrected", "dp-ivon"}
+# Options of some optimizers only: setting one for another optimizer is an error, not a no-op.
+_OPTIMIZER_SPECIFIC = (
+    "curvature_estimator",
+    "curvature_ema",
+    "curvature_pool",
+    "hess_floor",
+    "second_moment_floor",
+)
+
+
+class TuningCost(BaseModel):
+    """What choosing this config cost: the tuning sweep's quoted bound over the same records.
+
+    Written by ``dpivon export``; a production run composes its own training with
+    ``quoted_rdp`` (RDP on dpivon.privacy.tuning.ORDERS) to state what covers its release.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sweep: str
+    group: str
+    quoted_epsilon: float
+    quote: str
+    release: str
+    records_covered: str
+    quoted_rdp: list[float]
 
 
 class TrainConfig(BaseModel):
@@ -71,6 +108,13 @@ class TrainConfig(BaseModel):
     clip_radius: float = math.inf
     rescale_lr: bool = True
     debias: bool = True
+    # DP-IVON-Gradsq: how v_hat is estimated from g_dp (see dpivon.optim.ivon); all are
+    # post-processing of g_dp, none costs privacy
+    curvature_estimator: Literal["per-step", "ema-corrected", "pooled", "shrinkage"] | None = None
+    curvature_ema: float | None = None  # ema-corrected: moving-average rate of g_dp^2
+    curvature_pool: Literal["tensor", "channel"] | None = None  # pooled and shrinkage
+    hess_floor: float | None = None  # IVON family: keeps h >= hess_floor (0: no floor)
+    second_moment_floor: float | None = None  # dp-adambc: gamma' in max(v_hat - s^2, gamma')
     # training
     epochs: int = 10
     batch_size: int = 256
@@ -79,11 +123,22 @@ class TrainConfig(BaseModel):
     delta: float = 1e-5
     max_grad_norm: float = 1.0
     accountant: Literal["rdp", "prv"] = "rdp"
+    # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
+    # (book-keeping) where it is exact for the model and mc_samples == 1, else Opacus hooks.
+    engine: Literal["auto", "bk", "hooks", "functorch", "ew", "ghost"] = "auto"
+    # Noise and Poisson sampling from OS entropy (never stored) with Opacus's floating-point
+    # attack defence; off, they follow `seed` and are reproducible by anyone who knows it.
+    secure_mode: bool = False
+    tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
     # evaluation
     bma_samples: int = 16
     ece_bins: int = 15
+    # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
+    # records that steer selection); 0: exact scores, validation records unprotected.
+    val_noise_multiplier: float = 0.0
     # reproducibility and testing
-    seed: int = 0
+    seed: int = 0  # training: initialisation, posterior draws, batches and (unless secure) noise
+    data_seed: int | None = None  # the train/validation split; None = seed
     device: str = "auto"
     fail_at_epoch: int | None = None  # raises after that epoch: exercises failure handling
 
@@ -110,6 +165,16 @@ class TrainConfig(BaseModel):
                 f"{name} uses the {fixed} estimator; hess_approx={given!r} "
                 "contradicts it (use optimizer ivon to choose freely)"
             )
+        foreign = [
+            k
+            for k in _OPTIMIZER_SPECIFIC
+            if filled.get(k) is not None and k not in OPTIMIZER_DEFAULTS[name]
+        ]
+        if foreign:
+            owners = [o for o in OPTIMIZER_NAMES if foreign[0] in OPTIMIZER_DEFAULTS[o]]
+            raise ValueError(
+                f"{foreign[0]} does not apply to {name}; it is an option of {', '.join(owners)}"
+            )
         for key, value in OPTIMIZER_DEFAULTS[name].items():
             if filled.get(key) is None:
                 filled[key] = value
@@ -127,21 +192,41 @@ class TrainConfig(BaseModel):
             (self.mc_samples >= 1, f"mc_samples must be >= 1, got {self.mc_samples}"),
             (self.bma_samples >= 0, f"bma_samples must be >= 0, got {self.bma_samples}"),
             (self.ece_bins >= 1, f"ece_bins must be >= 1, got {self.ece_bins}"),
+            (self.val_noise_multiplier >= 0, "val_noise_multiplier must be >= 0"),
+            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
             (self.val_size >= 1, f"val_size must be >= 1, got {self.val_size}"),
             (self.hess_init is None or self.hess_init > 0, "hess_init must be > 0"),
             (self.beta2 is None or 0 <= self.beta2 < 1, "beta2 must be in [0, 1)"),
             (self.ess is None or self.ess > 0, "ess must be > 0"),
+            (
+                self.curvature_ema is None or 0 <= self.curvature_ema < 1,
+                "curvature_ema must be in [0, 1)",
+            ),
+            (self.hess_floor is None or self.hess_floor >= 0, "hess_floor must be >= 0"),
+            (
+                self.second_moment_floor is None or self.second_moment_floor > 0,
+                "second_moment_floor must be > 0 (gamma' keeps 1 / sqrt(v_corr) finite)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         if self.optimizer == "dp-ivon" and self.mc_samples != 1:
             raise ValueError("dp-ivon (price estimator) supports mc_samples=1 only")
+        if self.is_private and self.engine in ("bk", "ghost") and self.mc_samples > 1:
+            raise ValueError(
+                f"engine {self.engine} clips one backward pass; mc_samples > 1 averages each "
+                "example's gradient over posterior samples first: use engine hooks or auto"
+            )
         return self
 
     @property
     def is_private(self) -> bool:
         return self.optimizer in PRIVATE_OPTIMIZERS
+
+    @property
+    def split_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def is_ivon(self) -> bool:

@@ -7,7 +7,7 @@ reported beside it. Other optimizers have a point estimate only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,39 +51,55 @@ class Posterior:
 
 
 @contextmanager
-def sampled_weights(
+def posterior_draws(
     model: nn.Module, posterior: Posterior, generator: torch.Generator | None = None
-) -> Iterator[None]:
-    """Parameters hold theta = m + s * z inside the block, the mean m after it."""
-    means = {}
+) -> Iterator[Callable[[], None]]:
+    """Inside the block, ``draw()`` puts a fresh theta = m + s * z into the parameters; after
+    it they hold the mean m again. m and s are computed once for all draws."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            means[name] = p.detach().clone()
+        named = list(model.named_parameters())
+        means = {name: p.detach().clone() for name, p in named}
+        stds = {name: posterior.std(name).to(p.device) for name, p in named}
+
+    @torch.no_grad()
+    def draw() -> None:
+        for name, p in named:
             z = torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype)
-            p.add_(z * posterior.std(name).to(p.device))
+            p.copy_(means[name]).add_(z * stds[name])
+
     try:
-        yield
+        yield draw
     finally:
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in named:
                 p.copy_(means[name])
 
 
-@torch.no_grad()
-def predict_probs(model: nn.Module, images: Tensor, batch_size: int = EVAL_BATCH_SIZE) -> Tensor:
-    """Softmax probabilities at the current parameters, on the CPU."""
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[torch.device]:
+    """Evaluation mode (training hooks stay idle) for the block; yields the model's device."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    chunks = [
-        torch.softmax(model(batch.to(device)).float(), dim=1).cpu()
-        for batch in images.split(batch_size)
-    ]
-    model.train(was_training)
+    try:
+        yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
+def _softmax(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
+    """Softmax probabilities of ``images`` (already on the model's device), batch by batch;
+    joined outside inference mode, so that the result is an ordinary tensor."""
+    with torch.inference_mode():
+        chunks = [torch.softmax(model(batch).float(), dim=1) for batch in images.split(batch_size)]
     return torch.cat(chunks)
 
 
-@torch.no_grad()
+def predict_probs(model: nn.Module, images: Tensor, batch_size: int = EVAL_BATCH_SIZE) -> Tensor:
+    """Softmax probabilities at the current parameters, on the CPU."""
+    with _eval_mode(model) as device:
+        return _softmax(model, images.to(device), batch_size).cpu()
+
+
 def predict_bma(
     model: nn.Module,
     posterior: Posterior,
@@ -93,13 +109,21 @@ def predict_bma(
     generator: torch.Generator | None = None,
     batch_size: int = EVAL_BATCH_SIZE,
 ) -> Tensor:
-    """Average of the softmax over ``samples`` posterior draws (one draw per pass)."""
-    total = None
-    for _ in range(samples):
-        with sampled_weights(model, posterior, generator):
-            probs = predict_probs(model, images, batch_size)
-        total = probs if total is None else total + probs
-    return total / samples
+    """Average of the softmax over ``samples`` posterior draws, on the CPU.
+
+    The cost is ``samples`` forward passes and nothing else that grows with the data: the
+    images move to the device once, the running sum stays there, the mean and std are
+    computed once. Draws and summation order are those of one draw after another, so a
+    generator seed gives the same probabilities as ever.
+    """
+    with _eval_mode(model) as device, posterior_draws(model, posterior, generator) as draw:
+        images = images.to(device)
+        total = None
+        for _ in range(samples):
+            draw()
+            probs = _softmax(model, images, batch_size)
+            total = probs if total is None else total.add_(probs)
+    return (total / samples).cpu()
 
 
 @dataclass

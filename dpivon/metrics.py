@@ -7,6 +7,7 @@ results do not depend on the dtype of ``probs`` beyond its own rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,3 +206,37 @@ def plot_reliability_diagram(diagram: ReliabilityDiagram, title: str = "") -> Fi
     ax_hist.legend(loc="best", frameon=False, fontsize="small")
     ax_hist.grid(alpha=0.3)
     return fig
+
+
+# Adding or removing one validation record changes one bin's count, correct count and
+# confidence sum by at most 1 each.
+VALIDATION_SCORE_SENSITIVITY = math.sqrt(3.0)
+
+
+def private_validation_scores(
+    diagram: ReliabilityDiagram, noise_multiplier: float, generator: torch.Generator
+) -> dict[str, float]:
+    """Accuracy and ECE from Gaussian-noised bin statistics (the Gaussian mechanism).
+
+    Per bin, the count, the number correct and the confidence sum each get
+    N(0, (noise_multiplier * sqrt(3))^2): one release is (alpha, alpha / (2 sigma^2))-RDP in
+    the validation records, accounted as ``GaussianDpEvent(noise_multiplier)``. Both scores
+    are post-processing of the noised statistics.
+    """
+    if not noise_multiplier > 0:
+        raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+    filled = diagram.bin_count > 0
+    correct = np.where(filled, diagram.bin_accuracy * diagram.bin_count, 0.0)
+    confidence = np.where(filled, diagram.bin_confidence * diagram.bin_count, 0.0)
+    exact = torch.from_numpy(np.stack([diagram.bin_count.astype(np.float64), correct, confidence]))
+    noise = torch.randn(
+        exact.shape, generator=generator, dtype=torch.float64, device=generator.device
+    ).cpu()
+    count, correct, confidence = (
+        exact + noise * noise_multiplier * VALIDATION_SCORE_SENSITIVITY
+    ).numpy()
+    total = max(float(count.sum()), 1.0)
+    return {
+        "accuracy": float(np.clip(correct.sum() / total, 0.0, 1.0)),
+        "ece": float(np.clip(np.abs(correct - confidence).sum() / total, 0.0, 1.0)),
+    }

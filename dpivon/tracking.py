@@ -241,7 +241,11 @@ def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bo
     summary = result.summary()
     tracker.log_params(run_id, {k: summary[k] for k in PRIVACY_PARAMS})
     # Per-epoch values are already logged; the rest of the summary's numbers are params.
-    final = {k: v for k, v in summary.items() if k.startswith("test_") or k == "wall_time_s"}
+    final = {
+        k: v
+        for k, v in summary.items()
+        if k.startswith("test_") or k in ("wall_time_s", "tuning_epsilon", "epsilon_with_tuning")
+    }
     tracker.log_metrics(run_id, final, step=result.config.epochs)
     tracker.log_dict(run_id, summary, "summary.json")
     tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")

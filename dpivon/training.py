@@ -16,20 +16,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
-from torch.utils.data import DataLoader
 
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate
-from dpivon.metrics import ReliabilityDiagram, reliability_diagram
+from dpivon.metrics import ReliabilityDiagram, private_validation_scores, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import IVON
 from dpivon.optim.registry import build_optimizer
-from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
+from dpivon.privacy.engine import (
+    PrivacyPlan,
+    PrivateTraining,
+    make_private,
+    plan_privacy,
+    privacy_generator,
+)
+from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
+from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
 
 # Known, understood warnings that would otherwise flood every run's output.
 for _message in (
@@ -71,6 +77,7 @@ class TrainResult:
     posterior: Posterior | None
     wall_time_s: float
     extra: dict[str, float] = field(default_factory=dict)
+    engine: str | None = None  # the clipping engine ``auto`` resolved to (private runs)
 
     def summary(self) -> dict[str, float | int | str | None]:
         """Flat, JSON-ready record of the run (the ``--json`` output)."""
@@ -89,14 +96,34 @@ class TrainResult:
             "sample_rate": plan.sample_rate if plan else None,
             "steps": self.steps,
             "max_grad_norm": c.max_grad_norm if plan else None,
+            "engine": self.engine,
             "batch_size": c.batch_size,
             "wall_time_s": self.wall_time_s,
         }
+        out.update(self.tuning_summary())
         out.update({f"val_{k}": v for k, v in self.val.items()})
         if self.test is not None:
             out.update({f"test_{k}": v for k, v in self.test.items()})
         out.update(self.extra)
         return {k: _json_number(v) for k, v in out.items()}
+
+
+    def tuning_summary(self) -> dict[str, float | str]:
+        """For a config chosen by a sweep: the tuning epsilon and its composition with this
+        run, which is what covers the released model (both used the same records)."""
+        tuning, plan = self.config.tuning, self.privacy
+        if tuning is None or plan is None:
+            return {}
+        production = TrialMechanism(plan.noise_multiplier, plan.sample_rate, self.steps)
+        return {
+            "tuning_epsilon": tuning.quoted_epsilon,
+            "epsilon_with_tuning": compose_with_tuning(production, tuning.quoted_rdp, plan.delta),
+            "epsilon_covers": (
+                f"epsilon_with_tuning covers the released model: its hyper-parameters were "
+                f"selected by sweep {tuning.sweep!r} ({tuning.group}) on the same records; "
+                f"epsilon_spent covers this training alone"
+            ),
+        }
 
 
 def _json_number(value):
@@ -126,25 +153,33 @@ def load_data(config: TrainConfig) -> DataSplits:
         data_path=config.data_path,
         val_size=config.val_size,
         per_class=config.per_class,
-        seed=config.seed,
+        seed=config.split_seed,
         synthetic_sizes=(config.synthetic_size, max(config.synthetic_size // 5, 10)),
     )
 
 
 @dataclass
 class TrainingSetup:
-    """The live training objects; ``model`` is the unwrapped network (shared parameters)."""
+    """The live training objects; ``model`` is the unwrapped network (shared parameters).
+
+    ``generator`` draws the batches (and, for private runs, the DP noise); ``criterion`` is
+    the loss whose backward the engine needs.
+    """
 
     model: nn.Module
     trained_module: nn.Module
     optimizer: torch.optim.Optimizer
+    criterion: nn.Module
     ivon: IVON | None
-    loader: DataLoader
+    loader: PoissonBatches | ShuffledBatches
+    generator: torch.Generator
     private: PrivateTraining | None
 
 
 def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
-    n_train = len(data.train)
+    """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
+    features, labels = (t.to(device) for t in data.train.tensors)
+    n_train = len(labels)
     if config.batch_size > n_train:
         raise DpivonError(
             f"batch size {config.batch_size} is larger than the training set ({n_train} "
@@ -169,12 +204,33 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         grad_noise_std=plan.grad_noise_std if plan else 0.0,
     )
     ivon = optimizer if isinstance(optimizer, IVON) else None
+    generator = privacy_generator(config.seed, device, secure=config.secure_mode)
     if plan is None:
-        loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True)
-        return TrainingSetup(model, model, optimizer, ivon, loader, None)
-    private = make_private(model, optimizer, data.train, plan, batch_size=config.batch_size)
+        loader = ShuffledBatches(
+            features, labels, batch_size=config.batch_size, generator=generator
+        )
+        return TrainingSetup(
+            model, model, optimizer, nn.CrossEntropyLoss(), ivon, loader, generator, None
+        )
+    private = make_private(
+        model,
+        optimizer,
+        features,
+        labels,
+        plan,
+        engine=config.engine,
+        generator=generator,
+        secure_mode=config.secure_mode,
+    )
     return TrainingSetup(
-        model, private.model, private.optimizer, ivon, private.data_loader, private
+        model,
+        private.module,
+        private.optimizer,
+        private.criterion,
+        ivon,
+        private.loader,
+        generator,
+        private,
     )
 
 
@@ -194,7 +250,7 @@ def train_step(setup: TrainingSetup, x: torch.Tensor, y: torch.Tensor, mc_sample
     """One optimizer step; for IVON, backprop at ``mc_samples`` posterior draws first."""
     if setup.ivon is None:
         setup.optimizer.zero_grad()
-        loss = F.cross_entropy(setup.trained_module(x), y)
+        loss = setup.criterion(setup.trained_module(x), y)
         loss.backward()
         setup.optimizer.step()
         return loss.item()
@@ -202,11 +258,31 @@ def train_step(setup: TrainingSetup, x: torch.Tensor, y: torch.Tensor, mc_sample
     for _ in range(mc_samples):
         with setup.ivon.sampled_params(train=True):
             setup.optimizer.zero_grad()
-            loss = F.cross_entropy(setup.trained_module(x), y)
+            loss = setup.criterion(setup.trained_module(x), y)
             loss.backward()
         total += loss.item()
     setup.optimizer.step()
     return total / mc_samples
+
+
+def _rng_states(setup: TrainingSetup) -> dict:
+    """Every random stream a run draws from: resuming continues each instead of replaying.
+
+    In secure mode the privacy generator's state is as sensitive as the training data; the
+    checkpoint lives in the sweep's private storage and is never logged or exported.
+    """
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generator": setup.generator.get_state(),
+    }
+
+
+def _restore_rng_states(states: dict, setup: TrainingSetup) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    setup.generator.set_state(states["generator"])
 
 
 def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list[dict]) -> dict:
@@ -216,10 +292,8 @@ def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list
         "optimizer": setup.optimizer.state_dict(),
         "ivon_step": setup.ivon.current_step if setup.ivon is not None else None,
         "scheduler": scheduler.state_dict(),
-        "accountant_history": list(setup.private.engine.accountant.history)
-        if setup.private
-        else None,
-        "torch_rng": torch.get_rng_state(),
+        "accountant": setup.private.accountant.state_dict() if setup.private else None,
+        "rng": _rng_states(setup),
         "history": list(history),
     }
 
@@ -231,8 +305,8 @@ def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[di
         setup.ivon.current_step = state["ivon_step"]
     scheduler.load_state_dict(state["scheduler"])
     if setup.private is not None:
-        setup.private.engine.accountant.history = list(state["accountant_history"])
-    torch.set_rng_state(state["torch_rng"])
+        setup.private.accountant.load_state_dict(state["accountant"])
+    _restore_rng_states(state["rng"], setup)
     return state["epoch"], list(state["history"])
 
 
@@ -243,6 +317,15 @@ def _posterior(setup: TrainingSetup) -> Posterior | None:
 def _evaluate(config: TrainConfig, setup: TrainingSetup, dataset, posterior) -> Evaluation:
     return evaluate(setup.model, dataset, posterior=posterior, bma_samples=config.bma_samples,
                     n_bins=config.ece_bins, seed=config.seed)
+
+
+def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluation) -> dict:
+    """The validation scores a run releases: exact, or with ``val_noise_multiplier`` only
+    the Gaussian-noised accuracy and ECE (the exact ones, NLL and Brier are not released)."""
+    if config.val_noise_multiplier == 0:
+        return val.metrics
+    diagram = reliability_diagram(val.probs, val.labels, config.ece_bins)
+    return private_validation_scores(diagram, config.val_noise_multiplier, setup.generator)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -276,14 +359,14 @@ def train(
     if resume_state is not None:
         first_epoch, history = _restore(resume_state, setup, scheduler)
     posterior = None
-    val: Evaluation | None = None
+    val: dict[str, float] | None = None
 
     with _progress(progress) as bar:
         task = bar.add_task(config.optimizer, total=config.epochs * len(setup.loader), status="")
         bar.advance(task, first_epoch * len(setup.loader))
         for epoch in range(first_epoch + 1, config.epochs + 1):
             setup.trained_module.train()
-            losses, projected = [], []
+            losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
             for x, y in setup.loader:
                 loss = train_step(setup, x.to(device), y.to(device), config.mc_samples)
                 if len(y) and not math.isfinite(loss):
@@ -292,14 +375,14 @@ def train(
                         f"learning rate (lr={config.lr})"
                     )
                 losses.append(loss)
-                projected.append(getattr(setup.ivon, "projected_fraction", 0.0))
+                step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
                 scheduler.step()
                 bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
 
             posterior = _posterior(setup)
-            val = _evaluate(config, setup, data.val, posterior)
+            val = _validation_scores(config, setup, _evaluate(config, setup, data.val, posterior))
             metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
-            metrics.update({f"val_{k}": v for k, v in val.metrics.items()})
+            metrics.update({f"val_{k}": v for k, v in val.items()})
             if setup.private is not None:
                 plan = setup.private.plan
                 metrics.update(
@@ -310,10 +393,12 @@ def train(
                 )
             if setup.ivon is not None:
                 metrics.update(setup.ivon.curvature_diagnostics())
-                if config.optimizer == "dp-ivon-gradsq":
-                    metrics["projected_fraction"] = float(np.mean(projected))
+                # per-step diagnostics (projected_fraction, curvature_update_share) as epoch
+                # means rather than the last step's values
+                last = step_diagnostics[-1] if step_diagnostics else {}
+                metrics.update({k: float(np.mean([d[k] for d in step_diagnostics])) for k in last})
             history.append(metrics)
-            bar.update(task, status=f"epoch {epoch} val acc {val.metrics['accuracy']:.3f}")
+            bar.update(task, status=f"epoch {epoch} val acc {val['accuracy']:.3f}")
             if on_epoch_end is not None:
                 on_epoch_end(
                     EpochReport(
@@ -327,9 +412,9 @@ def train(
             if epoch == config.fail_at_epoch:
                 raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
 
-    if val is None:  # resumed after the last epoch: evaluate the restored model
+    if val is None:  # resumed after the last epoch: the scores that epoch released
         posterior = _posterior(setup)
-        val = _evaluate(config, setup, data.val, posterior)
+        val = {k.removeprefix("val_"): v for k, v in history[-1].items() if k.startswith("val_")}
     test, diagram = None, None
     if evaluate_test:
         test_eval = _evaluate(config, setup, data.test, posterior)
@@ -342,10 +427,11 @@ def train(
         epsilon_spent=private.epsilon_spent() if private else None,
         steps=private.steps_taken if private else config.epochs * len(setup.loader),
         history=history,
-        val=val.metrics,
+        val=val,
         test=test,
         test_reliability=diagram,
         model=setup.model.cpu(),
         posterior=posterior,
         wall_time_s=time.perf_counter() - started,
+        engine=private.engine if private else None,
     )

@@ -17,6 +17,7 @@ from torch import nn
 
 from dpivon.config import OPTIMIZER_NAMES, TrainConfig
 from dpivon.optim import DPIVON, IVON
+from dpivon.optim.adambc import DPAdamBC
 from dpivon.optim.ivon import gradsq_hessian
 from dpivon.optim.registry import build_optimizer
 
@@ -448,8 +449,15 @@ def test_dpivon_hessian_and_projected_fraction_from_g_dp(noise_correction):
     assert set(diagnostics) == {
         "hess_mean",
         "hess_median",
+        "hess_q10",
+        "hess_q90",
         "posterior_std_median",
+        "posterior_std_q10",
+        "posterior_std_q90",
         "projected_fraction",
+        "curvature_update_share",
+        "clamped_noise_share_median",
+        "grad_snr_median",
     }
     assert all(math.isfinite(v) for v in diagnostics.values())
     assert diagnostics["projected_fraction"] == opt.projected_fraction
@@ -492,6 +500,7 @@ EXPECTED_OPTIMIZERS = {
     "dp-sgd": (torch.optim.SGD, None, None),
     "adam": (torch.optim.Adam, None, None),
     "dp-adam": (torch.optim.Adam, None, None),
+    "dp-adambc": (DPAdamBC, None, None),
     "ivon": (IVON, "price", None),
     "dp-ivon-gradsq": (DPIVON, "gradsq", True),
     "dp-ivon-gradsq-uncorrected": (DPIVON, "gradsq", False),

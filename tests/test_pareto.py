@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import moocore
 import numpy as np
 import pandas as pd
 import pytest
@@ -104,7 +105,7 @@ def test_mask_three_objectives_and_nan(seed):
     )
 
 
-def test_mask_large_input_uses_blocks():
+def test_mask_large_input():
     rng = np.random.default_rng(0)
     values = random_values(rng, 2500, coarse=False)
     mask = non_dominated_mask(values, ("max", "min"))
@@ -236,6 +237,53 @@ def test_hypervolume_matches_grid_estimate(seed):
         covered |= (gx <= acc) & (gy >= ece)
     expected = covered.mean()
     assert hypervolume_2d(pts, ("max", "min"), (0.0, 1.0)) == pytest.approx(expected, abs=5e-3)
+
+
+def brute_force_hypervolume(points: np.ndarray, modes, reference) -> float:
+    """Exact area of the union of the boxes [point, reference], summed cell by cell over the
+    grid that the points' and the reference's coordinates cut the plane into."""
+    signs = np.array([-1.0 if m == "max" else 1.0 for m in modes])
+    pts, ref = np.asarray(points, dtype=float) * signs, np.asarray(reference, dtype=float) * signs
+    pts = pts[~np.isnan(pts).any(axis=1) & (pts < ref).all(axis=1)]
+    xs = np.unique(np.append(pts[:, 0], ref[0]))
+    ys = np.unique(np.append(pts[:, 1], ref[1]))
+    area = 0.0
+    for x0, x1 in itertools.pairwise(xs):
+        for y0, y1 in itertools.pairwise(ys):
+            if any(px <= x0 and py <= y0 for px, py in pts):  # cell inside some point's box
+                area += (x1 - x0) * (y1 - y0)
+    return area
+
+
+def test_brute_force_hypervolume_hand_computed():
+    pts = np.array([[0.5, 0.2], [0.7, 0.4], [0.4, 0.5], [0.5, 1.2]])
+    assert brute_force_hypervolume(pts, ("max", "min"), (0.0, 1.0)) == pytest.approx(0.52)
+    assert brute_force_hypervolume(pts[:0], ("max", "min"), (0.0, 1.0)) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("modes", MODE_SETS)
+@pytest.mark.parametrize("coarse", [False, True])
+def test_moocore_front_and_hypervolume_match_brute_force(seed, modes, coarse):
+    """moocore (and the wrappers over it) against the O(n^2) front and the cell-by-cell area,
+    with ties, duplicates, points outside the reference box and a NaN row."""
+    rng = np.random.default_rng(100 + seed)
+    values = random_values(rng, int(rng.integers(1, 50)), coarse=coarse)
+    maximise = [m == "max" for m in modes]
+    ref = tuple(0.2 if m == "max" else 0.8 for m in modes)  # some points fall outside
+    expected_front = brute_force_front(values, modes)
+    np.testing.assert_array_equal(
+        moocore.is_nondominated(values, maximise=maximise, keep_weakly=True), expected_front
+    )
+    np.testing.assert_array_equal(non_dominated_mask(values, modes), expected_front)
+    expected = brute_force_hypervolume(values, modes, ref)
+    assert moocore.hypervolume(values, ref=ref, maximise=maximise) == pytest.approx(expected)
+    assert hypervolume_2d(values, modes, ref) == pytest.approx(expected)
+    # the front alone has the same hypervolume; a NaN row changes nothing
+    assert hypervolume_2d(values[expected_front], modes, ref) == pytest.approx(expected)
+    with_nan = np.vstack([values, [np.nan, 0.5]])
+    assert hypervolume_2d(with_nan, modes, ref) == pytest.approx(expected)
+    assert brute_force_hypervolume(with_nan, modes, ref) == pytest.approx(expected)
 
 
 def test_default_reference():

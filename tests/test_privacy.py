@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from dpivon.errors import DpivonError
 from dpivon.optim import DPIVON, IVON
@@ -195,10 +194,10 @@ def test_plan_privacy_spends_the_target_epsilon(
         batch_size=batch_size,
         epochs=epochs,
     )
-    batches_per_epoch = math.ceil(dataset_size / batch_size)
-    assert plan.sample_rate == pytest.approx(1 / batches_per_epoch)
-    assert plan.steps == epochs * batches_per_epoch
-    assert plan.expected_batch_size == int(dataset_size / batches_per_epoch)
+    # q = b / N exactly (not Opacus's loader rate 1 / int(1 / q)); an epoch is ceil(N / b).
+    assert plan.sample_rate == batch_size / dataset_size
+    assert plan.steps == epochs * math.ceil(dataset_size / batch_size)
+    assert plan.expected_batch_size == batch_size
     assert plan.noise_multiplier > 0
     assert target_epsilon - 0.05 <= plan.planned_epsilon() <= target_epsilon
     assert plan.grad_noise_std == pytest.approx(
@@ -232,21 +231,16 @@ def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_sampl
         grad_noise_std=plan.grad_noise_std,
     )
     private = make_private(
-        model,
-        optimizer,
-        TensorDataset(x, y),
-        plan,
-        batch_size=batch_size,
-        generator=torch.Generator().manual_seed(1),
+        model, optimizer, x, y, plan, generator=torch.Generator().manual_seed(1)
     )
     assert private.epsilon_spent() == 0.0
     torch.manual_seed(2)
     for _ in range(epochs):
-        for xb, yb in private.data_loader:
+        for xb, yb in private.loader:
             for _ in range(mc_samples):
                 with optimizer.sampled_params(train=True):
                     private.optimizer.zero_grad()
-                    F.cross_entropy(private.model(xb), yb).backward()
+                    F.cross_entropy(private.module(xb), yb).backward()
             private.optimizer.step()
     assert private.steps_taken == plan.steps
     spent = private.epsilon_spent()

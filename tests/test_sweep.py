@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import mlflow
 import pandas as pd
 import pytest
@@ -65,6 +67,37 @@ def test_sweep_records_parent_children_and_pareto(finished_sweep):
     assert any(k.startswith("hypervolume.eps8.") for k in parent.data.metrics)
     assert parent.data.metrics["tuning.eps8-dp-sgd.composition_epsilon"] > 8.0
     assert "git_commit" in parent.data.params
+    # Every trial trains with its own seed (hence its own noise); the split is shared.
+    assert len({c.data.params["seed"] for c in children}) == len(children)
+    assert {c.data.params["data_seed"] for c in children} == {str(pipeline.seed)}
+    # The parent's description states the quoted epsilons.
+    assert "quoted eps" in parent.data.tags["mlflow.note.content"]
+
+
+def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition(tmp_path):
+    """Random K and random search, but ASHA stops trials on their metrics: adaptive."""
+    pipeline = load_pipeline(
+        write_pipeline(
+            tmp_path,
+            name="adaptive",
+            sampler="random",
+            trial_count="poisson",
+            trials=2,
+            seed=1,  # draws K = 2 (seed 0 draws K = 0)
+            release="best",
+            optimizers=[
+                {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
+            ],
+        )
+    )
+    run_sweep(pipeline)
+    report = json.loads((sweep_directory(pipeline) / "tuning_privacy.json").read_text())
+    (group,) = report.values()
+    assert group["adaptive"] is True
+    assert "random_trials_epsilon" not in group
+    assert group["quoted_epsilon"] == group["composition_epsilon"]
+    assert "stops trials on their metrics" in group["quote"]
+    assert group["drawn_trials"] == pipeline.trial_counts()[("dp-sgd", 8.0)]
 
 
 def test_front_is_non_dominated_and_only_front_sees_the_test_set(finished_sweep):
@@ -107,15 +140,26 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
             "dp-sgd",
             "--out",
             str(exported),
+            "--no-secure-mode",  # research mode: reproducible by seed, as the trial was
         ],
     )
     assert result.exit_code == 0, result.output
     config = yaml.safe_load(exported.read_text())
+    # The selection's cost travels with the config; by default exports are secure.
+    tuning = config.pop("tuning")
+    assert tuning["group"] == "eps8-dp-sgd" and tuning["quoted_epsilon"] > 8.0
+    assert config["secure_mode"] is False
+    secure = tmp_path / "secure.yaml"
+    sweep_dir = str(sweep_directory(pipeline))
+    runner.invoke(app, ["export", sweep_dir, "--optimizer", "dp-sgd", "--out", str(secure)])
+    assert yaml.safe_load(secure.read_text())["secure_mode"] is True
     front = pd.read_csv(sweep_directory(pipeline) / "pareto_front.csv")
     trial_id = next(t for t in front.trial_id if t in exported.read_text())
     _, _, children = runs_of(sweep_tmp, pipeline.experiment)
     trial = next(c for c in children if c.data.tags["dpivon.trial_id"] == trial_id)
-    assert {k: str(v) for k, v in config.items()} == trial.data.params
+    assert {k: str(v) for k, v in config.items()} == {
+        k: v for k, v in trial.data.params.items() if k != "tuning"
+    }
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the trial: bitwise the same arithmetic
@@ -136,7 +180,14 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
     assert result.exit_code == 0, result.output
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/prod.db")
     (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
-    assert {k: run.data.params[k] for k in trial.data.params} == trial.data.params
+    shared = [k for k in trial.data.params if k != "tuning"]
+    assert {k: run.data.params[k] for k in shared} == {k: trial.data.params[k] for k in shared}
+    # The production run states what covers its release: itself composed with the tuning.
+    assert run.data.metrics["tuning_epsilon"] == pytest.approx(tuning["quoted_epsilon"])
+    assert run.data.metrics["epsilon_with_tuning"] > max(
+        run.data.metrics["epsilon_spent"], tuning["quoted_epsilon"]
+    )
+    assert "epsilon_with_tuning covers the released model" in result.output
     # Same data size, batch size and epochs: the noise recalibrates to the trial's sigma.
     assert float(run.data.params["noise_multiplier"]) == trial.data.metrics["noise_multiplier"]
     # Same configuration and seed as the trial: the same model, so the same validation score.

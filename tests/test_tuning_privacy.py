@@ -12,13 +12,18 @@ from dp_accounting.rdp import RdpAccountant
 from dpivon.errors import DpivonError
 from dpivon.privacy.tuning import (
     ORDERS,
+    SweepConditions,
     TrialMechanism,
     _max_rdp_curve,
     _repeat_and_select_epsilon_from_curve,
+    candidate_mechanisms,
     composition_epsilon,
+    epsilon_from_rdp,
     random_trials_epsilon,
+    solve_trial_epsilon,
     trial_epsilon,
     tuning_privacy_report,
+    worst_case_tuning_epsilon,
 )
 
 DELTA = 1e-5
@@ -128,9 +133,11 @@ def test_non_private_and_empty():
         lambda: composition_epsilon([BRIEF], 0.0),
         lambda: TrialMechanism(noise_multiplier=-1.0, sample_rate=0.01, steps=10),
         lambda: TrialMechanism(noise_multiplier=1.0, sample_rate=1.5, steps=10),
-        lambda: tuning_privacy_report([BRIEF], DELTA, trial_count="uniform", mean_trials=4),
-        lambda: tuning_privacy_report([], DELTA, trial_count="fixed"),
-        lambda: tuning_privacy_report([BRIEF], DELTA, trial_count="poisson", adaptive=False),
+        lambda: conditions("uniform"),
+        lambda: conditions("fixed", release="everything"),
+        lambda: tuning_privacy_report([], DELTA, conditions("fixed")),
+        # the random-trials bound applies here but needs the space's candidates
+        lambda: tuning_privacy_report([BRIEF], DELTA, conditions("poisson", release="best")),
     ],
 )
 def test_user_errors(call):
@@ -138,8 +145,12 @@ def test_user_errors(call):
         call()
 
 
+def conditions(trial_count, *, sampler=False, scheduler=False, release="front", mean=8):
+    return SweepConditions(trial_count, mean, sampler, scheduler, release)
+
+
 def test_report_fixed_quotes_composition():
-    report = tuning_privacy_report([BRIEF] * 8, DELTA, trial_count="fixed", mean_trials=8)
+    report = tuning_privacy_report([BRIEF] * 8, DELTA, conditions("fixed", release="best"))
     assert report["trial_count"] == "fixed"
     assert report["num_trials"] == 8
     assert report["per_trial_epsilon_max"] == pytest.approx(7.95, abs=TOL)
@@ -151,17 +162,17 @@ def test_report_fixed_quotes_composition():
 
 def test_report_adaptive_sampler_quotes_composition_even_with_random_count():
     report = tuning_privacy_report(
-        [BRIEF] * 8, DELTA, trial_count="geometric", mean_trials=8, adaptive=True
+        [BRIEF] * 8, DELTA, conditions("geometric", sampler=True, release="best")
     )
     assert report["quote"].startswith("composition_epsilon")
-    assert "adaptive" in report["quote"]
+    assert "earlier trials' results" in report["quote"]
     assert "random_trials_epsilon" not in report
 
 
 @pytest.mark.parametrize("distribution", ["poisson", "geometric"])
 def test_report_random_search_quotes_random_trials(distribution):
     report = tuning_privacy_report(
-        [BRIEF] * 8, DELTA, trial_count=distribution, mean_trials=8, adaptive=False
+        [BRIEF] * 8, DELTA, conditions(distribution, release="best"), candidates=[BRIEF]
     )
     expected = random_trials_epsilon([BRIEF], DELTA, distribution=distribution, mean=8)
     assert report["random_trials_epsilon"] == pytest.approx(expected)
@@ -169,19 +180,86 @@ def test_report_random_search_quotes_random_trials(distribution):
     assert report["quoted_epsilon"] == report["random_trials_epsilon"]
     if distribution == "geometric":
         assert report["random_trials_epsilon"] == pytest.approx(12.05, abs=TOL)
-    assert set(report) == {
-        "per_trial_epsilon_max",
-        "composition_epsilon",
-        "random_trials_epsilon",
-        "trial_count",
-        "num_trials",
-        "quote",
-        "quoted_epsilon",
-    }
+    assert epsilon_from_rdp(report["quoted_rdp"], DELTA) == pytest.approx(report["quoted_epsilon"])
+    assert report["candidates"] == 1
+
+
+@pytest.mark.parametrize(
+    ("obstacle", "words"),
+    [
+        (dict(scheduler=True), "stops trials on their metrics"),
+        (dict(sampler=True), "earlier trials' results"),
+        (dict(release="front"), "Pareto-front models"),
+        (dict(release="all"), "whole MLflow store"),
+    ],
+)
+def test_any_adaptivity_or_wider_release_quotes_the_composition(obstacle, words):
+    """ASHA, TPE, or publishing more than one model: the random-trials bound is invalid."""
+    setting = {"release": "best", **obstacle}
+    report = tuning_privacy_report([BRIEF] * 8, DELTA, conditions("poisson", **setting))
+    assert "random_trials_epsilon" not in report
+    assert report["quoted_epsilon"] == report["composition_epsilon"]
+    assert words in report["quote"]
+    assert report["adaptive"] == bool(obstacle.get("sampler") or obstacle.get("scheduler"))
+
+
+def test_candidates_not_draws_set_the_random_trials_bound():
+    """The bound holds the worst mechanism the space can produce, drawn or not."""
+    drawn = TrialMechanism(0.9, 0.01, 300)
+    undrawn_worse = TrialMechanism(0.6, 0.02, 300)
+    best = conditions("poisson", release="best")
+    only_drawn = tuning_privacy_report([drawn] * 4, DELTA, best, candidates=[drawn])
+    whole_space = tuning_privacy_report([drawn] * 4, DELTA, best, candidates=[drawn, undrawn_worse])
+    assert whole_space["quoted_epsilon"] > only_drawn["quoted_epsilon"] + 0.5
+
+
+def test_candidate_chunks_dominate_every_batch_size_of_the_space():
+    """Each chunk's mechanism is at least as costly, at every order, as every exact one."""
+    sizes = range(40, 101)
+    setting = dict(dataset_size=4000, epochs=2, target_epsilon=4.0, delta=DELTA, accountant="rdp")
+    chunked = candidate_mechanisms(sizes, max_candidates=3, **setting)
+    assert len(chunked) == 3
+    exact = candidate_mechanisms(sizes[::10], max_candidates=100, **setting)
+    worst = _max_rdp_curve(chunked)
+    for mechanism in exact:
+        assert (_max_rdp_curve([mechanism]) <= worst + 1e-12).all()
+    assert epsilon_from_rdp(worst, DELTA) > 4.0  # a bound, hence above each trial's epsilon
+
+
+def test_zero_trials_drawn_is_recorded_and_costs_nothing():
+    report = tuning_privacy_report(
+        [], DELTA, conditions("poisson", release="best"), drawn_trials=0
+    )
+    assert report["drawn_trials"] == 0 and report["num_trials"] == 0
+    assert report["quoted_epsilon"] == 0.0
+    assert "K = 0" in report["quote"]
+
+
+def test_validation_noise_is_composed_into_the_trial_cost():
+    plain = TrialMechanism(0.9, 0.01, 300)
+    scored = TrialMechanism(0.9, 0.01, 300, validation_noise_multiplier=5.0, validation_releases=3)
+    report = tuning_privacy_report([scored], DELTA, conditions("fixed"))
+    assert trial_epsilon(scored, DELTA) > trial_epsilon(plain, DELTA)
+    assert "validation records" in report["records_covered"]
+    exact = tuning_privacy_report([plain], DELTA, conditions("fixed"))
+    assert "no DP protection" in exact["records_covered"]
+
+
+def test_sweep_budget_solves_the_per_trial_epsilon():
+    setting = dict(dataset_size=4000, epochs=2, delta=DELTA, accountant="rdp")
+    fixed = conditions("fixed", mean=4)
+
+    def quoted(eps):
+        cands = candidate_mechanisms([100], target_epsilon=eps, **setting)
+        return worst_case_tuning_epsilon(cands, DELTA, fixed, 4)
+
+    per_trial = solve_trial_epsilon(6.0, quoted, tolerance=0.05)
+    assert quoted(per_trial) <= 6.0 < quoted(per_trial + 0.1)
+    assert 1.0 < per_trial < 6.0  # four composed trials: each gets much less than the total
 
 
 def test_report_per_trial_max_over_heterogeneous_trials():
-    report = tuning_privacy_report(HETERO, DELTA, trial_count="fixed")
+    report = tuning_privacy_report(HETERO, DELTA, conditions("fixed"))
     assert report["per_trial_epsilon_max"] == pytest.approx(
         max(trial_epsilon(t, DELTA) for t in HETERO)
     )

@@ -1,34 +1,94 @@
-"""One facade over Opacus: plan the budget, then wrap model, optimizer and data loader.
+"""One facade over Opacus: plan the budget, then wire per-sample gradients, the private
+optimizer, the accountant and Poisson sampling.
 
-Opacus does the work (per-example gradients, clipping, noise, Poisson sampling, the
-accountant's step hook); this module only decides sigma_p before the optimizer exists,
-because DP-IVON needs the noise level to correct its squared gradient.
+Opacus does the work: its grad-sample modules compute per-example gradients, its
+``DPOptimizer`` clips them, adds N(0, sigma^2 C^2) to the sum and divides by the expected
+batch size, and its accountant records every step through the optimizer's step hook. This
+module decides sigma_p before the optimizer exists (DP-IVON needs the noise level to correct
+its squared gradient) and owns the sampling, so that the sample rate the accountant is told
+is exactly the one the sampler uses: q = b / N, expected batch size b.
+
+Engines (how the clipped sum of per-example gradients is computed; noise, scaling and
+accounting are Opacus's in every one, and every one reads the clipped sum from
+``p.summed_grad`` in ``add_noise``):
+
+- ``bk``: book-keeping, one backward pass without per-sample gradients of the whole model
+  (`dpivon.privacy.bookkeeping`); the fastest, for Conv2d, Linear and GroupNorm models.
+- ``hooks``, ``functorch``, ``ew``: Opacus's per-sample gradients, clipped in pre_step.
+- ``ghost``: Opacus's fast gradient clipping (two backward passes).
+- ``auto`` (the default): ``bk`` where it is exact for the model and the step (one
+  backward per step, i.e. mc_samples == 1), else ``hooks``.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import asdict, dataclass
+from typing import Any
 
+import numpy as np
 import torch
-from opacus import PrivacyEngine
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from opacus.accountants import IAccountant, create_accountant
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample.utils import prepare_module
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from opacus.validators import ModuleValidator
+from torch import Tensor, nn
 
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import calibrate_noise_multiplier, check_budget, epsilon_spent
+from dpivon.privacy.bookkeeping import (
+    BookKeeping,
+    BookKeepingDPOptimizer,
+    BookKeepingLoss,
+    trainable_layers,
+    unsupported_layers,
+)
+from dpivon.privacy.sampling import PoissonBatches
+
+# Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
+PER_SAMPLE_ENGINES = ("hooks", "functorch", "ew")
+# Engines that clip what one backward pass gives: they cannot average an example's
+# gradient over several MC samples before clipping (DPIVON needs p.grad_sample for that).
+ONE_BACKWARD_ENGINES = ("bk", "ghost")
+ENGINES = ("auto", *ONE_BACKWARD_ENGINES, *PER_SAMPLE_ENGINES)
+DEFAULT_ENGINE = "auto"
+# Layer types torch's ExpandedWeights (engine ew) has per-sample rules for.
+_EW_LAYERS = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.Embedding,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+# Stream label mixed into the research seed so the privacy generator never shares a stream
+# with model initialisation or posterior sampling (which use the global RNG).
+_PRIVACY_STREAM = 0x5EED_D1CE
 
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """Everything a private run's guarantee depends on, fixed before training starts."""
+    """Everything a private run's guarantee depends on, fixed before training starts.
+
+    ``sample_rate`` is exactly ``expected_batch_size / dataset_size``: the sampler draws with
+    it, the accountant records it and the optimizer divides by ``expected_batch_size``.
+    """
 
     target_epsilon: float
     delta: float
     max_grad_norm: float
     accountant: str
-    sample_rate: float
+    dataset_size: int
     expected_batch_size: int
+    sample_rate: float
+    steps_per_epoch: int
     steps: int
     noise_multiplier: float
 
@@ -56,10 +116,10 @@ def plan_privacy(
     batch_size: int,
     epochs: int,
 ) -> PrivacyPlan:
-    """Calibrate sigma_p so that ``epochs`` epochs spend exactly ``target_epsilon``.
+    """Calibrate sigma_p so that ``epochs`` epochs spend at most ``target_epsilon``.
 
-    The sample rate and expected batch size are the ones Opacus derives from a loader of
-    ``batch_size``: q = 1 / ceil(N / b) and b_expected = floor(N q); steps = epochs / q.
+    q = b / N exactly; an epoch is ceil(N / b) steps (at least one pass in expectation).
+    Raises DpivonError for a budget or a batch that means nothing.
     """
     check_budget(target_epsilon, delta, dataset_size)
     if not 0 < batch_size <= dataset_size:
@@ -70,67 +130,233 @@ def plan_privacy(
         raise DpivonError(f"max_grad_norm (clip norm C) must be > 0, got {max_grad_norm}")
     if epochs < 1:
         raise DpivonError(f"epochs must be >= 1, got {epochs}")
-    batches_per_epoch = math.ceil(dataset_size / batch_size)
-    sample_rate = 1.0 / batches_per_epoch
-    steps = epochs * batches_per_epoch
+    sample_rate = batch_size / dataset_size
+    steps_per_epoch = math.ceil(dataset_size / batch_size)
+    steps = epochs * steps_per_epoch
     sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
     return PrivacyPlan(
         target_epsilon=target_epsilon,
         delta=delta,
         max_grad_norm=max_grad_norm,
         accountant=accountant,
+        dataset_size=dataset_size,
+        expected_batch_size=batch_size,
         sample_rate=sample_rate,
-        expected_batch_size=int(dataset_size * sample_rate),
+        steps_per_epoch=steps_per_epoch,
         steps=steps,
         noise_multiplier=sigma,
     )
 
 
+def privacy_generator(seed: int, device: torch.device, *, secure: bool) -> torch.Generator:
+    """The generator of Poisson sampling and DP noise.
+
+    Research runs derive it from the run's seed (reproducible: whoever knows the seed can
+    regenerate the noise). Secure runs seed it from the operating system's entropy source;
+    that seed is never stored, logged or exported.
+    """
+    generator = torch.Generator(device=device)
+    if secure:
+        generator.manual_seed(secrets.randbits(63))
+    else:
+        state = np.random.SeedSequence([seed, _PRIVACY_STREAM]).generate_state(1, np.uint64)
+        generator.manual_seed(int(state[0]) & (2**63 - 1))
+    return generator
+
+
 @dataclass
 class PrivateTraining:
-    """The Opacus-wrapped training objects and the accountant that tracks them."""
+    """The Opacus-wired training objects and the accountant that tracks them.
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    data_loader: DataLoader
-    engine: PrivacyEngine
+    ``module`` runs the forward, ``criterion`` gives the loss to call ``backward()`` on
+    (for ``bk`` and ``ghost`` that backward clips), ``engine`` is the resolved engine.
+    """
+
+    module: nn.Module
+    optimizer: DPOptimizer
+    criterion: nn.Module
+    loader: PoissonBatches
+    accountant: IAccountant
+    generator: torch.Generator
     plan: PrivacyPlan
+    engine: str
 
     def epsilon_spent(self) -> float:
         """Epsilon of the steps actually taken, from the accountant that calibrated sigma."""
         if self.plan.noise_multiplier == 0.0:
             return math.inf
-        if not self.engine.accountant.history:
+        if not self.accountant.history:
             return 0.0
-        return float(self.engine.accountant.get_epsilon(delta=self.plan.delta))
+        return float(self.accountant.get_epsilon(delta=self.plan.delta))
 
     @property
     def steps_taken(self) -> int:
-        return sum(steps for _, _, steps in self.engine.accountant.history)
+        return sum(steps for _, _, steps in self.accountant.history)
+
+    def recorded_sample_rates(self) -> set[float]:
+        """The sample rates the accountant recorded (one per distinct step kind)."""
+        return {rate for _, rate, _ in self.accountant.history}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Accountant history and the privacy generator's position, for resuming."""
+        return {
+            "accountant": self.accountant.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state["accountant"])
+        self.generator.set_state(state["generator"])
+
+
+def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
+    """The engine a run uses, after refusing what it cannot do exactly.
+
+    ``auto`` is the fastest exact engine: ``bk`` when it has a rule for every trainable
+    layer and a step is one backward pass (mc_samples == 1), else Opacus ``hooks``. Errors
+    name the offending layers.
+    """
+    if engine not in ENGINES:
+        raise DpivonError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        raise DpivonError(
+            "the model has layers private training cannot use: " + "; ".join(str(e) for e in errors)
+        )
+    bk_problems = unsupported_layers(model)
+    if engine == "auto":
+        return "bk" if not bk_problems and mc_samples == 1 else "hooks"
+    if engine in ONE_BACKWARD_ENGINES and mc_samples > 1:
+        raise DpivonError(
+            f"engine {engine} clips the gradients of one backward pass; mc_samples="
+            f"{mc_samples} needs each example's gradient averaged over the posterior samples "
+            "before clipping: use engine hooks, functorch or ew (auto picks hooks)"
+        )
+    if engine == "bk" and bk_problems:
+        raise DpivonError(
+            "engine bk cannot clip these layers exactly: "
+            + "; ".join(bk_problems)
+            + " (use engine hooks, or auto, which picks it)"
+        )
+    if engine == "ew":
+        foreign = [
+            f"{name} ({type(m).__name__})"
+            for name, m in trainable_layers(model)
+            if not isinstance(m, _EW_LAYERS)
+        ]
+        if foreign:
+            raise DpivonError(
+                "engine ew (torch ExpandedWeights) has no per-sample rule for: "
+                + ", ".join(foreign)
+                + " (use engine hooks)"
+            )
+    return engine
+
+
+class EmptyBatchBypass(nn.Module):
+    """Runs Opacus's functorch or ew module, except on a batch of no examples.
+
+    Poisson sampling draws empty batches (probability (1 - q)^N per step), and these two
+    engines fail on them. Such a batch runs through the plain network with the per-sample
+    machinery off and leaves zero-row per-sample gradients: the clipped sum is zero and the
+    step still adds the noise and is accounted, as under hooks.
+    """
+
+    def __init__(self, grad_sample_module: nn.Module) -> None:
+        super().__init__()
+        self.grad_sample_module = grad_sample_module
+
+    def forward(self, x: Tensor) -> Tensor:
+        gsm = self.grad_sample_module
+        if hasattr(gsm, "hooks_enabled"):  # functorch: Opacus hooks; ew has none
+            gsm.hooks_enabled = len(x) > 0  # also read by the backward hooks after this
+        if len(x) > 0:
+            return gsm(x)
+        for p in gsm.parameters():
+            if p.requires_grad:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+        return gsm._module(x)
+
+
+def _wire_engine(
+    engine: str, model: nn.Module, optimizer: torch.optim.Optimizer, noise: dict[str, Any]
+) -> tuple[nn.Module, DPOptimizer, nn.Module]:
+    """(module to run, private optimizer, criterion) of ``engine``; ``noise`` holds the
+    DPOptimizer arguments, the same for every engine."""
+    criterion = nn.CrossEntropyLoss()
+    if engine == "bk":
+        clipper = BookKeeping(model, noise["max_grad_norm"])
+        private = BookKeepingDPOptimizer(optimizer, clipper=clipper, **noise)
+        return model, private, BookKeepingLoss(criterion, clipper)
+    if engine == "ghost":
+        module = GradSampleModuleFastGradientClipping(
+            model,
+            batch_first=True,
+            loss_reduction="mean",
+            max_grad_norm=noise["max_grad_norm"],
+            use_ghost_clipping=True,
+        )
+        private = DPOptimizerFastGradientClipping(optimizer, **noise)
+        return module, private, DPLossFastGradientClipping(module, private, criterion, "mean")
+    module = prepare_module(model, engine, batch_first=True, loss_reduction="mean")
+    module.forbid_grad_accumulation()  # Poisson sampling: one backward per step
+    if engine in ("functorch", "ew"):
+        module = EmptyBatchBypass(module)
+    return module, DPOptimizer(optimizer, **noise), criterion
 
 
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    dataset: Dataset,
+    features: Tensor,
+    labels: Tensor,
     plan: PrivacyPlan,
     *,
-    batch_size: int,
-    generator: torch.Generator | None = None,
+    engine: str = DEFAULT_ENGINE,
+    generator: torch.Generator,
+    secure_mode: bool = False,
 ) -> PrivateTraining:
-    """Wrap for DP-SGD-style training with Poisson sampling at ``plan.sample_rate``."""
-    engine = PrivacyEngine(accountant=plan.accountant)
-    loader = DataLoader(dataset, batch_size=batch_size, generator=generator)
-    private_model, private_optimizer, private_loader = engine.make_private(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
+    """Wire ``model`` and ``optimizer`` for private training on (features, labels).
+
+    ``engine`` is one of ``ENGINES``; ``auto`` resolves here (``PrivateTraining.engine``
+    says to what). An IVON-family optimizer's ``mc_samples`` takes part in that choice.
+    Train with ``PrivateTraining.criterion``: ``bk`` and ``ghost`` clip in its backward.
+
+    ``secure_mode`` turns on Opacus's defence against floating-point attacks on the noise
+    (2n Gaussian draws per sample, arXiv 2107.10138); pair it with a generator from
+    ``privacy_generator(..., secure=True)``.
+    """
+    if len(labels) != plan.dataset_size:
+        raise ValueError(f"plan is for {plan.dataset_size} examples, data has {len(labels)}")
+    engine = resolve_engine(engine, model, getattr(optimizer, "mc_samples", 1))
+    noise = dict(
         noise_multiplier=plan.noise_multiplier,
         max_grad_norm=plan.max_grad_norm,
-        poisson_sampling=True,
-        noise_generator=generator,
+        expected_batch_size=plan.expected_batch_size,
+        loss_reduction="mean",
+        generator=generator,
+        secure_mode=secure_mode,
     )
-    # The noise correction of DP-IVON relies on these matching what Opacus does.
-    assert abs(private_optimizer.expected_batch_size - plan.expected_batch_size) < 1e-9
-    assert abs(private_loader.sample_rate - plan.sample_rate) < 1e-12
-    return PrivateTraining(private_model, private_optimizer, private_loader, engine, plan)
+    module, private_optimizer, criterion = _wire_engine(engine, model, optimizer, noise)
+    accountant = create_accountant(mechanism=plan.accountant)
+    # The accountant's hook is the optimizer's only step hook (a second would replace it).
+    private_optimizer.attach_step_hook(
+        accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate)
+    )
+    loader = PoissonBatches(
+        features,
+        labels,
+        sample_rate=plan.sample_rate,
+        steps=plan.steps_per_epoch,
+        generator=generator,
+    )
+    return PrivateTraining(
+        module=module,
+        optimizer=private_optimizer,
+        criterion=criterion,
+        loader=loader,
+        accountant=accountant,
+        generator=generator,
+        plan=plan,
+        engine=engine,
+    )

@@ -17,9 +17,11 @@ All numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-d
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from absl import logging as absl_logging
@@ -28,6 +30,7 @@ from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from dpivon.errors import DpivonError
+from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multiplier
 
 # dp_accounting logs a warning for every fractional Renyi order whose series does not
 # converge at large sampling rates; it drops those orders, which only loosens the bound.
@@ -44,11 +47,15 @@ ORDERS: tuple[float, ...] = tuple(float(a) for a in _rdp.DEFAULT_RDP_ORDERS)
 
 @dataclass(frozen=True)
 class TrialMechanism:
-    """The private training of one trial: ``steps`` Poisson-subsampled Gaussian steps."""
+    """The private part of one trial: ``steps`` Poisson-subsampled Gaussian steps, and
+    optionally ``validation_releases`` Gaussian-noised validation scores
+    (``validation_noise_multiplier`` times their L2 sensitivity, see dpivon.metrics)."""
 
     noise_multiplier: float
     sample_rate: float
     steps: int
+    validation_noise_multiplier: float = 0.0
+    validation_releases: int = 0
 
     def __post_init__(self) -> None:
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
@@ -57,20 +64,35 @@ class TrialMechanism:
             raise DpivonError(f"sample rate must be in (0, 1]; got {self.sample_rate}")
         if int(self.steps) != self.steps or self.steps < 0:
             raise DpivonError(f"steps must be a non-negative integer; got {self.steps}")
+        if not self.validation_noise_multiplier >= 0 or self.validation_releases < 0:
+            raise DpivonError("validation noise multiplier and releases must be >= 0")
 
     @property
     def private(self) -> bool:
         return self.noise_multiplier > 0 or self.steps == 0
 
+    @property
+    def private_validation(self) -> bool:
+        return self.validation_noise_multiplier > 0 and self.validation_releases > 0
+
     def event(self) -> dp_event.DpEvent:
         if self.steps == 0:
-            return dp_event.NoOpDpEvent()
-        if self.noise_multiplier == 0:
+            training: dp_event.DpEvent = dp_event.NoOpDpEvent()
+        elif self.noise_multiplier == 0:
             return dp_event.NonPrivateDpEvent()
-        step = dp_event.PoissonSampledDpEvent(
-            self.sample_rate, dp_event.GaussianDpEvent(self.noise_multiplier)
+        else:
+            step = dp_event.PoissonSampledDpEvent(
+                self.sample_rate, dp_event.GaussianDpEvent(self.noise_multiplier)
+            )
+            training = dp_event.SelfComposedDpEvent(step, int(self.steps))
+        if not self.private_validation:
+            return training
+        # Composed although validation records are not training records: a record is in
+        # one split only, so this is conservative (the max of the two would do).
+        scores = dp_event.SelfComposedDpEvent(
+            dp_event.GaussianDpEvent(self.validation_noise_multiplier), self.validation_releases
         )
-        return dp_event.SelfComposedDpEvent(step, int(self.steps))
+        return dp_event.ComposedDpEvent([training, scores])
 
 
 def _check_delta(delta: float) -> None:
@@ -106,10 +128,30 @@ def composition_epsilon(trials: Sequence[TrialMechanism], delta: float) -> float
     return _epsilon(dp_event.ComposedDpEvent([t.event() for t in trials]), delta)
 
 
-def _rdp_curve(trial: TrialMechanism) -> np.ndarray:
+def _event_rdp(event: dp_event.DpEvent) -> np.ndarray:
     accountant = RdpAccountant(orders=ORDERS)
-    accountant.compose(trial.event())
-    return accountant.rdp
+    accountant.compose(event)
+    return np.asarray(accountant.rdp, dtype=np.float64)
+
+
+def _rdp_curve(trial: TrialMechanism) -> np.ndarray:
+    return _event_rdp(trial.event())
+
+
+def epsilon_from_rdp(rdp: Sequence[float], delta: float) -> float:
+    """Epsilon at ``delta`` of an RDP curve on ``ORDERS``."""
+    _check_delta(delta)
+    return float(_rdp.compute_epsilon(ORDERS, np.asarray(rdp, dtype=np.float64), delta)[0])
+
+
+def compose_with_tuning(
+    production: TrialMechanism, tuning_rdp: Sequence[float], delta: float
+) -> float:
+    """Epsilon of a production run whose hyper-parameters were tuned on the same records:
+    the RDP composition of the tuning's quoted curve and the production training."""
+    if not production.private:
+        return math.inf
+    return epsilon_from_rdp(_rdp_curve(production) + np.asarray(tuning_rdp), delta)
 
 
 def _max_rdp_curve(trials: Sequence[TrialMechanism]) -> np.ndarray:
@@ -173,62 +215,237 @@ def random_trials_epsilon(
     return _repeat_and_select_epsilon_from_curve(_max_rdp_curve(trials), mean, shape, delta)
 
 
+# Which outputs of a sweep a reader of its results sees (the threat model's "release").
+RELEASES: dict[str, str] = {
+    "best": "one selected model; the MLflow store, the trial metrics and the other models "
+    "are kept private",
+    "front": "the Pareto-front models of each group and every trial's validation metrics",
+    "all": "every trial's model and validation metrics (the whole MLflow store)",
+}
+
+
+@dataclass(frozen=True)
+class SweepConditions:
+    """How a group's trials were chosen and what of them is released."""
+
+    trial_count: str  # fixed | poisson | geometric
+    mean_trials: float
+    adaptive_sampler: bool  # hyper-parameters chosen from earlier results (TPE, NSGA-II)
+    adaptive_scheduler: bool  # trials stopped or paused on their metrics (ASHA)
+    release: str = "front"
+
+    def __post_init__(self) -> None:
+        if self.trial_count not in TRIAL_COUNTS:
+            raise DpivonError(
+                f"unknown trial count {self.trial_count!r}; choose one of: "
+                f"{', '.join(TRIAL_COUNTS)}"
+            )
+        if self.release not in RELEASES:
+            raise DpivonError(
+                f"unknown release {self.release!r}; choose one of: {', '.join(RELEASES)}"
+            )
+
+    @property
+    def adaptive(self) -> bool:
+        return self.adaptive_sampler or self.adaptive_scheduler
+
+    def random_trials_obstacles(self) -> list[str]:
+        """Why the random-number-of-trials bound does not apply (empty: it does)."""
+        reasons = []
+        if self.trial_count == "fixed":
+            reasons.append("the number of trials is fixed, not drawn at random")
+        if self.adaptive_sampler:
+            reasons.append("the sampler picks hyper-parameters from earlier trials' results")
+        if self.adaptive_scheduler:
+            reasons.append("the scheduler stops trials on their metrics (adaptive)")
+        if self.release != "best":
+            reasons.append(
+                f"the sweep releases {RELEASES[self.release]}, not one selected model"
+            )
+        return reasons
+
+
+def candidate_mechanisms(
+    batch_sizes: Sequence[int],
+    *,
+    dataset_size: int,
+    epochs: int,
+    target_epsilon: float,
+    delta: float,
+    accountant: str,
+    validation_noise_multiplier: float = 0.0,
+    max_candidates: int = 16,
+) -> list[TrialMechanism]:
+    """Mechanisms that dominate every trial a search space can produce, at every RDP order.
+
+    A trial with batch size b runs q = b / N for epochs * ceil(N / b) steps with the sigma
+    that calibration picks for them. Batch sizes are cut into at most ``max_candidates``
+    contiguous chunks; a chunk [b_lo, b_hi] is covered by (sigma_lb, q(b_hi), T(b_lo)):
+    the subsampled Gaussian's RDP grows with q and T and falls with sigma, and every sigma
+    calibrated in the chunk is >= the sigma that meets the target at (q(b_lo), T(b_hi)),
+    which calibration to the target plus twice its tolerance undercuts. A chunk of one
+    batch size is exact up to that tolerance.
+    """
+    values = sorted({int(b) for b in batch_sizes})
+    if not values or values[0] < 1 or values[-1] > dataset_size:
+        raise DpivonError(f"batch sizes must lie in [1, {dataset_size}]; got {values[:3]}...")
+    if len(values) <= max_candidates:
+        chunks = [[b] for b in values]
+    else:  # geometric chunks: sigma and q change by similar factors in each
+        edges = np.geomspace(values[0], values[-1] + 1, max_candidates + 1)
+        chunks = [
+            [b for b in values if lo <= b < hi] for lo, hi in itertools.pairwise(edges)
+        ]
+        chunks = [c for c in chunks if c]
+    candidates = []
+    for chunk in chunks:
+        low, high = chunk[0], chunk[-1]
+        fewest_steps = epochs * math.ceil(dataset_size / high)
+        most_steps = epochs * math.ceil(dataset_size / low)
+        sigma = calibrate_noise_multiplier(
+            target_epsilon + 2 * EPSILON_TOLERANCE,
+            delta,
+            low / dataset_size,
+            fewest_steps,
+            accountant,
+        )
+        candidates.append(
+            TrialMechanism(
+                sigma,
+                high / dataset_size,
+                most_steps,
+                validation_noise_multiplier,
+                epochs if validation_noise_multiplier > 0 else 0,
+            )
+        )
+    return candidates
+
+
 def tuning_privacy_report(
     trials: Sequence[TrialMechanism],
     delta: float,
+    conditions: SweepConditions,
     *,
-    trial_count: str,
-    mean_trials: float | None = None,
-    adaptive: bool = True,
-) -> dict[str, float | str]:
-    """Privacy of a whole sweep, and which number to quote.
+    candidates: Sequence[TrialMechanism] = (),
+    drawn_trials: int | None = None,
+) -> dict[str, Any]:
+    """Privacy of one group of a sweep, the threat model, and which number to quote.
 
-    ``trial_count`` is ``"fixed"`` or the distribution K was drawn from (``"poisson"``,
-    ``"geometric"``, with ``mean_trials``). ``adaptive`` says whether the sampler picks
-    hyper-parameters from earlier results (TPE, NSGA-II: True) or independently of the data
-    (random search: False). ``random_trials_epsilon`` is reported only when it is valid
-    (random K and a non-adaptive sampler); ``quoted_epsilon`` is the value of the key named
-    in ``quote``.
+    ``trials`` are the mechanisms that ran (their RDP composition is always valid, adaptive
+    choices included); ``candidates`` cover every mechanism the search space can produce
+    (see :func:`candidate_mechanisms`), needed by the random-trials bound, which is quoted
+    only where :meth:`SweepConditions.random_trials_obstacles` finds none.
+    ``drawn_trials`` is the number of trials drawn for the group (K, possibly 0).
     """
     _check_delta(delta)
-    if trial_count not in TRIAL_COUNTS:
-        raise DpivonError(
-            f"unknown trial count {trial_count!r}; choose one of: {', '.join(TRIAL_COUNTS)}"
-        )
-    if not trials:
-        raise DpivonError("no trial to account for: the sweep ran no trial")
     n = len(trials)
-    report: dict[str, float | str] = {
-        "per_trial_epsilon_max": max(trial_epsilon(t, delta) for t in set(trials)),
+    drawn = n if drawn_trials is None else drawn_trials
+    if n == 0 and drawn_trials != 0:
+        raise DpivonError("no trial to account for: the sweep ran no trial")
+    validation = [t for t in trials if t.private_validation]
+    report: dict[str, Any] = {
+        "per_trial_epsilon_max": max((trial_epsilon(t, delta) for t in set(trials)), default=0.0),
         "composition_epsilon": composition_epsilon(trials, delta),
-        "trial_count": trial_count,
+        "trial_count": conditions.trial_count,
         "num_trials": n,
+        "drawn_trials": drawn,
+        "adaptive": conditions.adaptive,
+        "release": conditions.release,
+        "records_covered": (
+            "training and validation records (validation scores are noised)"
+            if validation and len(validation) == n
+            else "training records only: validation scores are exact, so the validation "
+            "records that steer selection have no DP protection"
+        ),
+        "outputs_covered": RELEASES[conditions.release],
     }
-    if trial_count == "fixed":
-        quoted = "composition_epsilon"
-        why = (
-            f"a fixed number of trials gets no tuning discount, so the bound is the RDP "
-            f"composition of all {n} trials"
+    obstacles = conditions.random_trials_obstacles()
+    curve = (
+        _event_rdp(dp_event.ComposedDpEvent([t.event() for t in trials]))
+        if trials
+        else np.zeros(len(ORDERS))
+    )
+    if drawn == 0:
+        quoted, why = "composition_epsilon", (
+            "K = 0 trials were drawn for this group: it ran and released nothing (no trial "
+            "was substituted, so the random-trials distribution holds as drawn)"
         )
-    elif adaptive:
+    elif obstacles:
         quoted = "composition_epsilon"
         why = (
-            f"an adaptive sampler chooses hyper-parameters from earlier trials' results, so "
-            f"the random-number-of-trials bound does not apply and only the RDP composition "
-            f"of all {n} trials (valid under adaptivity) does"
+            f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), so "
+            f"the bound is the RDP composition of all {n} trials, valid under adaptivity"
         )
     else:
-        if mean_trials is None:
-            raise DpivonError(f"trial_count {trial_count!r} needs mean_trials")
-        report["random_trials_epsilon"] = random_trials_epsilon(
-            trials, delta, distribution=trial_count, mean=mean_trials
+        if not candidates:
+            raise DpivonError(
+                "the random-trials bound needs the candidate mechanisms of the whole space"
+            )
+        shape = _shape(conditions.trial_count)
+        curve = _rdp._compute_rdp_repeat_and_select(
+            ORDERS, _max_rdp_curve(candidates), conditions.mean_trials, shape
         )
+        report["random_trials_epsilon"] = epsilon_from_rdp(curve, delta)
+        report["candidates"] = len(candidates)
         quoted = "random_trials_epsilon"
         why = (
-            f"hyper-parameters were drawn independently of the data and the number of "
-            f"trials from a {trial_count} distribution with mean {mean_trials:g}, so releasing "
-            f"only the best trial costs the Papernot & Steinke repeat-and-select bound"
+            f"hyper-parameters were drawn independently of the data, K from a "
+            f"{conditions.trial_count} distribution with mean {conditions.mean_trials:g}, no "
+            f"trial was stopped on its metrics, and only one selected model is released: the "
+            f"Papernot & Steinke bound over all {len(candidates)} candidate mechanisms of the "
+            f"search space applies"
         )
     report["quoted_epsilon"] = report[quoted]
     report["quote"] = f"{quoted}: {why}."
+    # The quoted bound as an RDP curve on ORDERS: a production run tuned by this sweep
+    # composes with it (see compose_with_tuning).
+    report["quoted_rdp"] = [float(v) for v in curve]
     return report
+
+
+def worst_case_tuning_epsilon(
+    candidates: Sequence[TrialMechanism],
+    delta: float,
+    conditions: SweepConditions,
+    num_trials: int,
+) -> float:
+    """The quoted tuning epsilon before the sweep runs: composition of ``num_trials`` copies
+    of the worst candidate at every order, or the random-trials bound where it applies."""
+    _check_delta(delta)
+    if num_trials == 0:
+        return 0.0
+    if not conditions.random_trials_obstacles():
+        return random_trials_epsilon(
+            candidates, delta, distribution=conditions.trial_count, mean=conditions.mean_trials
+        )
+    curve = _max_rdp_curve(candidates) * num_trials
+    return float(_rdp.compute_epsilon(ORDERS, curve, delta)[0])
+
+
+def solve_trial_epsilon(
+    total_epsilon: float,
+    quoted_for: Callable[[float], float],
+    *,
+    tolerance: float = 0.01,
+) -> float:
+    """The largest per-trial epsilon whose quoted tuning epsilon is <= ``total_epsilon``.
+
+    ``quoted_for(eps)`` is the quoted bound of the whole sweep when every trial targets
+    ``eps`` (increasing in eps). Bisection, to within ``tolerance`` below the true answer.
+    """
+    if not (total_epsilon > 0 and math.isfinite(total_epsilon)):
+        raise DpivonError(f"total_epsilon must be a finite number > 0; got {total_epsilon}")
+    low, high = 0.0, total_epsilon  # a tuned release costs at least one trial's epsilon
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        try:
+            fits = quoted_for(middle) <= total_epsilon
+        except DpivonError:  # too small a budget to calibrate at all
+            fits = False
+        low, high = (middle, high) if fits else (low, middle)
+    if low == 0.0:
+        raise DpivonError(
+            f"no per-trial epsilon fits total_epsilon {total_epsilon}: lower the number of "
+            "trials, or raise the total budget"
+        )
+    return low

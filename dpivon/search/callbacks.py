@@ -14,9 +14,8 @@ from typing import Any
 from ray import tune
 from rich.console import Console
 
-from dpivon.config import parse_config
 from dpivon.search.space import SearchSpace
-from dpivon.search.trial import COMPLETE
+from dpivon.search.trial import COMPLETE, trial_train_config
 from dpivon.tracking import Tracker
 
 TRIAL_TAG = "dpivon.trial_id"
@@ -81,9 +80,7 @@ class MlflowTrialLogger(tune.Callback):
         tracker = self.tracker
         run_id = self.run_ids.get(trial.trial_id)
         if run_id is None:
-            config = parse_config(
-                {**self.base_config, **self.space.trial_config(trial.config)}, source="trial config"
-            )
+            config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
             run_id = tracker.start_run(
                 f"{config.optimizer}-eps{config.epsilon:g}-{trial.trial_id}",
                 parent_run_id=self.parent_run_id,

@@ -3,11 +3,17 @@
 An exported config is the trial's complete TrainConfig (read from the trial's own model
 checkpoint, not re-assembled from strings), with the production epochs and, by default, the
 full training set. It holds epsilon and delta, not sigma_p: `dpivon train` recalibrates the
-noise for the production epochs, data size and batch size, so the budget holds exactly.
+noise for the production epochs, data size and batch size, so the production training
+spends at most its epsilon. That is not the cost of the released model: its hyper-parameters
+were chosen by the sweep on the same records, so the config carries the sweep's tuning cost
+(`tuning`) and `dpivon train` reports the composition of both. Exported configs run in
+secure mode (noise from OS entropy, never stored): a released model's noise must not be
+reproducible from a logged seed.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +21,11 @@ import pandas as pd
 import torch
 import yaml
 
-from dpivon.config import TrainConfig
+from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, sweep_directory
+from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE, sweep_directory
 from dpivon.search.trial import MODEL_FILE
 
 DEFAULT_STORAGE = Path("dpivon-runs")
@@ -55,8 +61,37 @@ def trial_config(row: pd.Series) -> TrainConfig:
     return TrainConfig.model_validate(state["config"])
 
 
-def production_config(config: TrainConfig, *, epochs: int | None, full_data: bool) -> TrainConfig:
-    update: dict[str, Any] = {"fail_at_epoch": None}
+def tuning_cost(directory: Path, group: str) -> TuningCost | None:
+    """The tuning cost of ``group`` from the sweep's report (None for non-private groups)."""
+    path = directory / TUNING_FILE
+    if not path.exists():
+        raise DpivonError(
+            f"sweep in {directory} has no {TUNING_FILE}; finish it with `dpivon sweep "
+            "PIPELINE --resume` (its tuning cost is part of every exported config)"
+        )
+    report = json.loads(path.read_text()).get(group)
+    if report is None:
+        return None
+    return TuningCost(
+        sweep=directory.name,
+        group=group,
+        quoted_epsilon=report["quoted_epsilon"],
+        quote=report["quote"],
+        release=report["release"],
+        records_covered=report["records_covered"],
+        quoted_rdp=report["quoted_rdp"],
+    )
+
+
+def production_config(
+    config: TrainConfig,
+    *,
+    epochs: int | None,
+    full_data: bool,
+    tuning: TuningCost | None = None,
+    secure_mode: bool = True,
+) -> TrainConfig:
+    update: dict[str, Any] = {"fail_at_epoch": None, "tuning": tuning, "secure_mode": secure_mode}
     if epochs is not None:
         update["epochs"] = epochs
     if full_data and config.dataset == "cifar10":
@@ -73,6 +108,7 @@ def export_configs(
     epsilon: float | None = None,
     epochs: int | None = None,
     full_data: bool = True,
+    secure_mode: bool = True,
 ) -> list[tuple[dict[str, Any], TrainConfig]]:
     """Picked trials per (optimizer, epsilon) group, with their production configs."""
     _, front = load_results(directory)
@@ -85,7 +121,14 @@ def export_configs(
     picked = []
     for _, group in front.groupby(["optimizer", "epsilon"]):
         for _, row in pick(group, objectives, how).iterrows():
-            config = production_config(trial_config(row), epochs=epochs, full_data=full_data)
+            trial = trial_config(row)
+            config = production_config(
+                trial,
+                epochs=epochs,
+                full_data=full_data,
+                tuning=tuning_cost(directory, row["group"]),
+                secure_mode=secure_mode,
+            )
             picked.append((row.to_dict(), config))
     return picked
 
@@ -103,6 +146,12 @@ def write_configs(
         lines.append(
             f"# trial {row['trial_id']} ({config.optimizer}, eps {config.epsilon:g}): {scores}"
         )
+        if config.tuning is not None:
+            lines.append(
+                f"#   chosen by sweep {config.tuning.sweep} ({config.tuning.group}) at tuning "
+                f"epsilon {config.tuning.quoted_epsilon:.3g} on the same records: `dpivon "
+                "train` reports the production epsilon composed with it"
+            )
     documents = [c.model_dump(mode="json") for _, c in picked]
     body = yaml.safe_dump(documents[0] if len(documents) == 1 else documents, sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)

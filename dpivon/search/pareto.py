@@ -7,18 +7,21 @@ the objective columns, optional test metrics and hyper-parameters). Objectives a
 
 Only ``status == "completed"`` trials are eligible for a front: an early-stopped trial was
 judged on a shorter run and a failed one has no trustworthy metrics, so neither is ever a
-front point, whatever its values. Internally every objective is turned into a minimisation
-(``max`` columns are negated).
+front point, whatever its values. Non-dominated filtering and the hypervolume come from
+``moocore``; both plots draw the layers of one ``_Plot``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import moocore
 import numpy as np
 import pandas as pd
 from rich.console import Console
@@ -44,19 +47,18 @@ DEFAULT_REFERENCE: dict[str, float] = {
 }
 
 Objectives = Sequence[tuple[str, str]]
-
-# Rows compared at once in non_dominated_mask: bounds the (block, n, k) boolean temporaries.
-_BLOCK = 1024
+_ACCURACY_ECE_REFERENCE = (DEFAULT_REFERENCE["val_accuracy"], DEFAULT_REFERENCE["val_ece"])
+_METRIC_PREFIX = ("val_", "test_", "train_")  # metric columns: not shown as hyper-parameters
 
 
 # --------------------------------------------------------------------------- core
 
 
-def _signs(modes: Sequence[str]) -> np.ndarray:
+def _maximise(modes: Sequence[str]) -> list[bool]:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise DpivonError(f"unknown objective mode(s) {bad}; choose one of: {', '.join(MODES)}")
-    return np.array([-1.0 if m == "max" else 1.0 for m in modes])
+    return [m == "max" for m in modes]
 
 
 def _check_objectives(objectives: Objectives) -> tuple[list[str], list[str]]:
@@ -68,7 +70,7 @@ def _check_objectives(objectives: Objectives) -> tuple[list[str], list[str]]:
         )
     metrics = [str(m) for m, _ in objectives]
     modes = [str(mode) for _, mode in objectives]
-    _signs(modes)
+    _maximise(modes)
     return metrics, modes
 
 
@@ -92,19 +94,11 @@ def non_dominated_mask(values: np.ndarray, modes: Sequence[str]) -> np.ndarray:
         raise DpivonError(f"values must be a 2-D array (points x objectives); got {values.shape}")
     if values.shape[1] != len(modes):
         raise DpivonError(f"{values.shape[1]} objective columns but {len(modes)} modes")
-    v = values * _signs(modes)  # minimise everything
-    valid = ~np.isnan(v).any(axis=1)
-    mask = np.zeros(len(v), dtype=bool)
-    pts = v[valid]
-    if len(pts) == 0:
-        return mask
-    dominated = np.zeros(len(pts), dtype=bool)
-    for start in range(0, len(pts), _BLOCK):
-        block = pts[start : start + _BLOCK]  # candidates (b, k) judged against all (n, k)
-        no_worse = (pts[None, :, :] <= block[:, None, :]).all(axis=2)  # [i, j]: j <= i
-        better = (pts[None, :, :] < block[:, None, :]).any(axis=2)  # [i, j]: j < i somewhere
-        dominated[start : start + len(block)] = (no_worse & better).any(axis=1)
-    mask[np.flatnonzero(valid)] = ~dominated
+    maximise = _maximise(modes)
+    valid = ~np.isnan(values).any(axis=1)
+    mask = np.zeros(len(values), dtype=bool)
+    if valid.any():
+        mask[valid] = moocore.is_nondominated(values[valid], maximise=maximise, keep_weakly=True)
     return mask
 
 
@@ -115,10 +109,7 @@ def _sort_best_first(df: pd.DataFrame, metrics: list[str], modes: list[str], by=
 
 
 def _groups(df: pd.DataFrame, by: Sequence[str]):
-    if not by:
-        yield (), df
-        return
-    yield from df.groupby(list(by), sort=True, dropna=False)
+    return df.groupby(list(by), sort=True, dropna=False) if by else [((), df)]
 
 
 def pareto_front(
@@ -135,49 +126,33 @@ def pareto_front(
     by = list(by)
     _check_columns(trials, ["status", *metrics, *by])
     eligible = trials[trials["status"] == COMPLETED]
-    parts = []
-    for _, group in _groups(eligible, by):
-        mask = non_dominated_mask(group[metrics].to_numpy(dtype=np.float64), modes)
-        parts.append(group[mask])
+    parts = [
+        group[non_dominated_mask(group[metrics].to_numpy(dtype=np.float64), modes)]
+        for _, group in _groups(eligible, by)
+    ]
     front = pd.concat(parts) if parts else trials.iloc[:0]
-    front = front.assign(on_front=True)
-    return _sort_best_first(front, metrics, modes, by)
+    return _sort_best_first(front.assign(on_front=True), metrics, modes, by)
 
 
 def hypervolume_2d(
     points: np.ndarray,
     modes: Sequence[str],
-    reference: tuple[float, float] = (
-        DEFAULT_REFERENCE["val_accuracy"],
-        DEFAULT_REFERENCE["val_ece"],
-    ),
+    reference: tuple[float, float] = _ACCURACY_ECE_REFERENCE,
 ) -> float:
     """Exact area dominated by ``points`` (n x 2) and bounded by ``reference``.
 
-    Computed in minimisation form (``max`` objectives negated): the union of the boxes
-    ``[p, reference]``. Points not strictly better than the reference in both objectives
-    and NaN rows add nothing. The default reference (0, 1) is for (accuracy, ECE) only;
-    for other metrics pass ``default_reference(objectives)`` or an explicit point.
+    The union of the boxes between each point and ``reference``. Points not strictly better
+    than the reference in both objectives and NaN rows add nothing. The default reference
+    (0, 1) is for (accuracy, ECE) only; for other metrics pass
+    ``default_reference(objectives)`` or an explicit point.
     """
-    pts = np.asarray(points, dtype=np.float64).reshape(-1, 2)
-    signs = _signs(modes)
-    if len(signs) != 2:
+    maximise = _maximise(modes)
+    if len(maximise) != 2:
         raise DpivonError(f"hypervolume_2d needs two modes; got {list(modes)}")
-    ref = np.asarray(reference, dtype=np.float64) * signs
-    pts = pts * signs
+    pts = np.asarray(points, dtype=np.float64).reshape(-1, 2)
     pts = pts[~np.isnan(pts).any(axis=1)]
-    pts = pts[(pts < ref).all(axis=1)]
-    if len(pts) == 0:
-        return 0.0
-    pts = pts[non_dominated_mask(pts, ("min", "min"))]
-    order = np.lexsort((pts[:, 1], pts[:, 0]))  # x ascending, so y descending on the front
-    pts = pts[order]
-    area, prev_y = 0.0, ref[1]
-    for x, y in pts:
-        if y < prev_y:
-            area += (ref[0] - x) * (prev_y - y)
-            prev_y = y
-    return float(area)
+    ref = np.asarray(reference, dtype=np.float64)
+    return float(moocore.hypervolume(pts, ref=ref, maximise=maximise))
 
 
 def default_reference(objectives: Objectives) -> tuple[float, float]:
@@ -211,7 +186,8 @@ def knee_point(front: pd.DataFrame, objectives: Objectives) -> Hashable:
     front = _sort_best_first(front, metrics, modes)
     if len(front) <= 2:
         return front.index[0]
-    v = front[metrics].to_numpy(dtype=np.float64) * _signs(modes)
+    signs = np.where(_maximise(modes), -1.0, 1.0)
+    v = front[metrics].to_numpy(dtype=np.float64) * signs  # minimise everything
     span = v.max(axis=0) - v.min(axis=0)
     span[span == 0] = 1.0
     z = (v - v.min(axis=0)) / span
@@ -257,40 +233,12 @@ def pick(
             labels.append(knee_point(group, objectives))
             continue
         k = 0 if how == "max-accuracy" else 1
-        order = [metrics[k], metrics[1 - k]]
-        order_modes = [modes[k], modes[1 - k]]
-        ranked = _sort_best_first(group, order, order_modes)
+        ranked = _sort_best_first(group, [metrics[k], metrics[1 - k]], [modes[k], modes[1 - k]])
         labels.append(ranked.index[0])
     return front.loc[labels]
 
 
-# --------------------------------------------------------------------------- display
-
-
-def _direction(metric: str, mode: str) -> str:
-    return f"{metric} ({'higher' if mode == 'max' else 'lower'} is better)"
-
-
-def _staircase(front_values: np.ndarray, modes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """x, y of the attainment step line through a 2-D front (original units)."""
-    signs = _signs(modes)
-    v = np.asarray(front_values, dtype=np.float64).reshape(-1, 2) * signs
-    v = v[np.lexsort((v[:, 1], v[:, 0]))]
-    xs, ys = [], []
-    for i, (x, y) in enumerate(v):
-        if i:
-            xs.append(x)
-            ys.append(v[i - 1, 1])
-        xs.append(x)
-        ys.append(y)
-    return np.array(xs) * signs[0], np.array(ys) * signs[1]
-
-
-def _epsilon_panels(trials: pd.DataFrame) -> list[tuple[Any, pd.DataFrame]]:
-    if "epsilon" not in trials.columns:
-        return [(None, trials)]
-    panels = list(trials.groupby("epsilon", sort=True, dropna=False))
-    return panels or [(None, trials)]
+# --------------------------------------------------------------------------- plot layers
 
 
 def _epsilon_title(eps: Any) -> str:
@@ -307,22 +255,118 @@ def _epsilon_title(eps: Any) -> str:
     return f"epsilon = {value:g}"
 
 
-def _optimizers(trials: pd.DataFrame) -> list[str]:
-    if "optimizer" not in trials.columns:
-        return ["trials"]
-    return sorted(trials["optimizer"].astype(str).unique())
+def _fmt(value: Any) -> str:
+    if isinstance(value, float | np.floating):
+        return "nan" if np.isnan(value) else f"{value:.4g}"
+    return str(value)
 
 
-def _by_optimizer(df: pd.DataFrame, name: str) -> pd.DataFrame:
-    if "optimizer" not in df.columns:
-        return df
-    return df[df["optimizer"].astype(str) == name]
+@dataclass
+class _Points:
+    """Rows drawn as one marker set: coordinates, a trace label and (lazily) hover text."""
+
+    label: str
+    rows: pd.DataFrame
+    metrics: list[str]
+    hover_prefix: str = ""
+
+    @property
+    def xy(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.rows[self.metrics[0]].to_numpy(), self.rows[self.metrics[1]].to_numpy()
+
+    @cached_property
+    def hover(self) -> list[str]:
+        """Trial id, group, status, objectives and hyper-parameters (no other metrics)."""
+        lead = [c for c in ("trial_id", "optimizer", "epsilon", "status") if c in self.rows]
+        skip = {*lead, *self.metrics}
+        params = [c for c in self.rows if c not in skip and not str(c).startswith(_METRIC_PREFIX)]
+        columns = [*lead, *self.metrics, *params]
+        text = (
+            zip(columns, row, strict=True) for row in self.rows[columns].itertuples(index=False)
+        )
+        return [self.hover_prefix + "<br>".join(f"{c}: {_fmt(v)}" for c, v in t) for t in text]
 
 
-def _prepare(trials: pd.DataFrame, objectives: Objectives) -> tuple[list[str], list[str]]:
-    metrics, modes = _check_objectives(objectives)
-    _check_columns(trials, ["status", *metrics])
-    return metrics, modes
+@dataclass
+class _Layer:
+    """What one optimizer contributes to one epsilon panel, for any renderer.
+
+    ``markers`` maps a kind to its points: ``completed``, ``early_stopped``, ``failed`` (every
+    other status), ``front`` (best first objective first; may be empty) and ``knee`` (one row,
+    or none without a front); ``steps`` is the front's attainment step line.
+    """
+
+    col: int  # panel index, 0-based
+    name: str  # optimizer
+    colour: int  # index into the renderer's palette
+    legend: bool  # the first front of this optimizer: name it in the legend here
+    markers: dict[str, _Points]
+    steps: tuple[np.ndarray, np.ndarray]
+
+
+class _Plot:
+    """One panel per epsilon, one layer per (panel, optimizer): shared by both renderers."""
+
+    def __init__(self, trials: pd.DataFrame, objectives: Objectives) -> None:
+        self.metrics, self.modes = _check_objectives(objectives)
+        _check_columns(trials, ["status", *self.metrics])
+        self.objectives = objectives
+        trials = trials.drop(columns=["on_front"], errors="ignore")
+        panels = []
+        if "epsilon" in trials.columns:
+            panels = list(trials.groupby("epsilon", sort=True, dropna=False))
+        self.panels: list[tuple[Any, pd.DataFrame]] = panels or [(None, trials)]
+        self.optimizers = ["trials"]
+        if "optimizer" in trials.columns:
+            self.optimizers = sorted(trials["optimizer"].astype(str).unique())
+        self.titles = [_epsilon_title(eps) for eps, _ in self.panels]
+        better = {"max": "higher", "min": "lower"}
+        self.axis_labels = [
+            f"{m} ({better[d]} is better)" for m, d in zip(self.metrics, self.modes, strict=True)
+        ]
+
+    def layers(self) -> Iterator[_Layer]:
+        named: set[str] = set()
+        for col, (_, panel) in enumerate(self.panels):
+            for i, name in enumerate(self.optimizers):
+                rows = panel
+                if "optimizer" in panel.columns:
+                    rows = panel[panel["optimizer"].astype(str) == name]
+                status = rows["status"]
+                kind = status.where(status.isin([COMPLETED, EARLY_STOPPED]), FAILED)
+                markers = {
+                    k: _Points(f"{name} ({k})", rows[kind == k], self.metrics)
+                    for k in (COMPLETED, EARLY_STOPPED, FAILED)
+                }
+                front = pareto_front(rows, self.objectives)
+                knee = front.loc[[knee_point(front, self.objectives)]] if len(front) else front
+                markers["front"] = _Points(name, front, self.metrics)
+                markers["knee"] = _Points(f"{name} knee", knee, self.metrics, "knee<br>")
+                # Sorted best-first, the front steps from each point along the first
+                # objective to the next point, then along the second.
+                v = front[self.metrics].to_numpy(dtype=np.float64)
+                steps = (np.repeat(v[:, 0], 2)[1:], np.repeat(v[:, 1], 2)[:-1])
+                legend = len(front) > 0 and name not in named
+                if legend:
+                    named.add(name)
+                yield _Layer(col, name, i, legend, markers, steps)
+
+
+# --------------------------------------------------------------------------- renderers
+
+_PNG_MARKERS: dict[str, dict[str, Any]] = {
+    COMPLETED: {"s": 22, "alpha": 0.35, "linewidths": 0},
+    EARLY_STOPPED: {"s": 22, "alpha": 0.5, "facecolors": "none"},
+    FAILED: {"s": 18, "alpha": 0.35, "marker": "x"},
+    "front": {"s": 30, "edgecolors": "k", "linewidths": 0.5, "zorder": 3},
+    "knee": {"s": 220, "marker": "*", "edgecolors": "k", "linewidths": 0.8, "zorder": 4},
+}
+_HTML_MARKERS: dict[str, dict[str, Any]] = {
+    COMPLETED: {"opacity": 0.45, "size": 7, "symbol": "circle"},
+    EARLY_STOPPED: {"opacity": 0.45, "size": 7, "symbol": "circle-open"},
+    FAILED: {"opacity": 0.45, "size": 7, "symbol": "x"},
+    "knee": {"size": 16, "symbol": "star", "line": {"color": "black", "width": 1}},
+}
 
 
 def plot_fronts_png(
@@ -333,85 +377,34 @@ def plot_fronts_png(
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    metrics, modes = _prepare(trials, objectives)
-    panels = _epsilon_panels(trials)
-    optimizers = _optimizers(trials)
-    palette = [f"C{i}" for i in range(10)]
-    colours = {name: palette[i % len(palette)] for i, name in enumerate(optimizers)}
-
-    fig = Figure(figsize=(5.2 * len(panels) + 2.2, 4.8), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (eps, panel) in zip(axes, panels, strict=True):
-        for name in optimizers:
-            rows = _by_optimizer(panel, name)
-            c = colours[name]
-            x, y = rows[metrics[0]], rows[metrics[1]]
-            done = (rows["status"] == COMPLETED).to_numpy()
-            stopped = (rows["status"] == EARLY_STOPPED).to_numpy()
-            failed = ~(done | stopped)
-            ax.scatter(x[done], y[done], s=22, color=c, alpha=0.35, linewidths=0)
-            ax.scatter(x[stopped], y[stopped], s=22, facecolors="none", edgecolors=c, alpha=0.5)
-            ax.scatter(x[failed], y[failed], s=18, marker="x", color=c, alpha=0.35)
-            front = pareto_front(rows, objectives)
-            if front.empty:
-                continue
-            sx, sy = _staircase(front[metrics].to_numpy(), modes)
-            ax.plot(sx, sy, color=c, lw=1.8, drawstyle="default")
-            ax.scatter(
-                front[metrics[0]],
-                front[metrics[1]],
-                s=30,
-                color=c,
-                edgecolors="k",
-                linewidths=0.5,
-                zorder=3,
-            )
-            knee = front.loc[knee_point(front, objectives)]
-            ax.scatter(
-                [knee[metrics[0]]],
-                [knee[metrics[1]]],
-                s=220,
-                marker="*",
-                color=c,
-                edgecolors="k",
-                linewidths=0.8,
-                zorder=4,
-            )
-        ax.set_title(_epsilon_title(eps))
-        ax.set_xlabel(_direction(metrics[0], modes[0]))
-        ax.set_ylabel(_direction(metrics[1], modes[1]))
+    plot = _Plot(trials, objectives)
+    colours = [f"C{i % 10}" for i in range(len(plot.optimizers))]
+    fig = Figure(figsize=(5.2 * len(plot.panels) + 2.2, 4.8), layout="constrained")
+    axes = fig.subplots(1, len(plot.panels), squeeze=False)[0]
+    for layer in plot.layers():
+        ax, c = axes[layer.col], colours[layer.colour]
+        ax.plot(*layer.steps, color=c, lw=1.8)
+        for kind, pts in layer.markers.items():
+            colour = {"edgecolors": c} if kind == EARLY_STOPPED else {"color": c}
+            ax.scatter(*pts.xy, **colour, **_PNG_MARKERS[kind])
+    for ax, panel_title in zip(axes, plot.titles, strict=True):
+        ax.set(title=panel_title, xlabel=plot.axis_labels[0], ylabel=plot.axis_labels[1])
         ax.grid(True, alpha=0.3)
-    handles = [Line2D([], [], color=colours[n], lw=1.8, marker="o", label=n) for n in optimizers]
-    grey = "0.35"
+    line = {"ls": "", "color": "0.35"}
+    handles = [
+        Line2D([], [], color=colours[i], lw=1.8, marker="o", label=n)
+        for i, n in enumerate(plot.optimizers)
+    ]
     handles += [
-        Line2D([], [], ls="", marker="o", color=grey, alpha=0.5, label="completed"),
-        Line2D([], [], ls="", marker="o", mfc="none", color=grey, label="early-stopped"),
-        Line2D([], [], ls="", marker="x", color=grey, label="failed"),
-        Line2D([], [], ls="", marker="*", ms=12, color=grey, mec="k", label="knee"),
+        Line2D([], [], **line, marker="o", alpha=0.5, label="completed"),
+        Line2D([], [], **line, marker="o", mfc="none", label="early-stopped"),
+        Line2D([], [], **line, marker="x", label="failed"),
+        Line2D([], [], **line, marker="*", ms=12, mec="k", label="knee"),
     ]
     fig.legend(handles=handles, loc="outside right center", frameon=False)
     fig.suptitle(title)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-
-
-def _metric_like(column: str, metrics: Sequence[str]) -> bool:
-    return column in metrics or column.startswith(("val_", "test_", "train_"))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float | np.floating):
-        return "nan" if np.isnan(value) else f"{value:.4g}"
-    return str(value)
-
-
-def _hover(rows: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
-    lead = [c for c in ("trial_id", "optimizer", "epsilon", "status") if c in rows.columns]
-    params = [c for c in rows.columns if c not in lead and not _metric_like(str(c), metrics)]
-    columns = [*lead, *metrics, *params]
-    return [
-        "<br>".join(f"{c}: {_fmt(row[c])}" for c in columns) for _, row in rows[columns].iterrows()
-    ]
 
 
 def plot_fronts_html(
@@ -423,98 +416,39 @@ def plot_fronts_html(
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
-    metrics, modes = _prepare(trials, objectives)
-    trials = trials.drop(columns=["on_front"], errors="ignore")
-    panels = _epsilon_panels(trials)
-    optimizers = _optimizers(trials)
+    plot = _Plot(trials, objectives)
     palette = qualitative.Plotly
-    colours = {name: palette[i % len(palette)] for i, name in enumerate(optimizers)}
-    fig = make_subplots(
-        rows=1, cols=len(panels), subplot_titles=[_epsilon_title(e) for e, _ in panels]
-    )
-    symbols = {COMPLETED: "circle", EARLY_STOPPED: "circle-open"}
-    seen: set[str] = set()
-    for col, (_, panel) in enumerate(panels, start=1):
-        for name in optimizers:
-            rows = _by_optimizer(panel, name)
-            c = colours[name]
-            first = name not in seen
-            seen.add(name)
-            for status in (COMPLETED, EARLY_STOPPED, FAILED):
-                sel = rows[rows["status"] == status]
-                if sel.empty:
-                    continue
-                fig.add_trace(
-                    go.Scatter(
-                        x=sel[metrics[0]],
-                        y=sel[metrics[1]],
-                        mode="markers",
-                        name=f"{name} ({status})",
-                        legendgroup=name,
-                        showlegend=False,
-                        marker={
-                            "color": c,
-                            "opacity": 0.45,
-                            "size": 7,
-                            "symbol": symbols.get(status, "x"),
-                        },
-                        hovertext=_hover(sel, metrics),
-                        hoverinfo="text",
-                    ),
-                    row=1,
-                    col=col,
-                )
-            front = pareto_front(rows, objectives)
-            if front.empty:
+    fig = make_subplots(rows=1, cols=len(plot.panels), subplot_titles=plot.titles)
+    for layer in plot.layers():
+        c, where = palette[layer.colour % len(palette)], {"row": 1, "col": layer.col + 1}
+        for kind, pts in layer.markers.items():
+            if pts.rows.empty:
                 continue
-            sx, sy = _staircase(front[metrics].to_numpy(), modes)
-            fig.add_trace(
-                go.Scatter(
-                    x=sx,
-                    y=sy,
-                    mode="lines",
-                    name=name,
-                    legendgroup=name,
-                    showlegend=first,
-                    line={"color": c, "width": 2},
-                    hoverinfo="skip",
-                ),
-                row=1,
-                col=col,
-            )
-            knee = front.loc[[knee_point(front, objectives)]]
-            fig.add_trace(
-                go.Scatter(
-                    x=knee[metrics[0]],
-                    y=knee[metrics[1]],
-                    mode="markers",
-                    name=f"{name} knee",
-                    legendgroup=name,
-                    showlegend=False,
-                    marker={
-                        "color": c,
-                        "size": 16,
-                        "symbol": "star",
-                        "line": {"color": "black", "width": 1},
-                    },
-                    hovertext=[f"knee<br>{h}" for h in _hover(knee, metrics)],
-                    hoverinfo="text",
-                ),
-                row=1,
-                col=col,
-            )
-        fig.update_xaxes(title_text=_direction(metrics[0], modes[0]), row=1, col=col)
-        fig.update_yaxes(title_text=_direction(metrics[1], modes[1]), row=1, col=col)
+            if kind == "front":  # its points are among the completed ones: draw the steps
+                x, y = layer.steps
+                trace = go.Scatter(x=x, y=y, mode="lines", line={"color": c, "width": 2})
+                trace.update(name=layer.name, showlegend=layer.legend, hoverinfo="skip")
+            else:
+                x, y = pts.xy
+                marker = {"color": c, **_HTML_MARKERS[kind]}
+                trace = go.Scatter(x=x, y=y, mode="markers", marker=marker, name=pts.label)
+                trace.update(showlegend=False, hovertext=pts.hover, hoverinfo="text")
+            fig.add_trace(trace.update(legendgroup=layer.name), **where)
+    fig.update_xaxes(title_text=plot.axis_labels[0])
+    fig.update_yaxes(title_text=plot.axis_labels[1])
     fig.update_layout(
         title=title + "<br><sup>filled: completed, hollow: early-stopped, x: failed, "
         "star: knee; lines: Pareto fronts of completed trials</sup>",
         hovermode="closest",
         template="plotly_white",
-        width=max(700, 480 * len(panels)),
+        width=max(700, 480 * len(plot.panels)),
         height=520,
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
+
+
+# --------------------------------------------------------------------------- table
 
 
 def format_front_table(

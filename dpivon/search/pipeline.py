@@ -1,6 +1,7 @@
 """Pipelines: one YAML file describes a whole sweep (data, budgets, optimizers, search, Ray).
 
-Format (every key but ``name``, ``epsilons``, ``optimizers`` and ``trials`` has the default
+Format (every key but ``name``, ``epsilons`` (or ``total_epsilon``), ``optimizers`` and
+``trials`` has the default
 shown or described)::
 
     name: quickstart                 # sweep name, [a-z0-9_-]+; also the key to --resume it
@@ -13,6 +14,10 @@ shown or described)::
     model: small-cnn                 # default tanh-cnn; one of dpivon.models.MODEL_NAMES
     epochs: 3                        # default 10
     epsilons: [8]                    # a number or a list, each > 0 (.inf = non-private)
+    # total_epsilon: 8               # instead of epsilons: the budget of each group's tuned
+    #                                # release; dpivon solves the per-trial epsilon
+    release: front                   # what is published: best | front | all (threat model)
+    validation_noise: 0.0            # > 0: Gaussian-noised val_accuracy / val_ece only
     delta: 1.0e-5                    # in (0, 1)
     accountant: rdp                  # rdp | prv
     optimizers:                      # each optimizer once, with its search-space file
@@ -116,6 +121,8 @@ _PIPELINE_KEYS = (
     "model",
     "epochs",
     "seed",
+    "data_seed",
+    "val_noise_multiplier",
 )
 _NAME = re.compile(r"[a-z0-9_-]+")
 
@@ -247,7 +254,12 @@ class Pipeline(_Strict):
     data: DataSpec = DataSpec()
     model: str = TrainConfig.model_fields["model"].default
     epochs: Int = Field(TrainConfig.model_fields["epochs"].default, ge=1)
-    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
+    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)] | None = None
+    # The budget of each group's release instead of each trial's: dpivon solves the per-trial
+    # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
+    total_epsilon: Float | None = None
+    release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
+    validation_noise: Float = Field(0.0, ge=0)  # > 0: DP validation scores (val_noise_multiplier)
     delta: Float = TrainConfig.model_fields["delta"].default
     accountant: Literal["rdp", "prv"] = "rdp"
     optimizers: list[OptimizerEntry] = Field(min_length=1)
@@ -299,9 +311,32 @@ class Pipeline(_Strict):
             raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
         return model
 
+    @model_validator(mode="after")
+    def _check_budget_kind(self) -> Pipeline:
+        if (self.epsilons is None) == (self.total_epsilon is None):
+            raise ValueError(
+                "give either epsilons (each trial's budget) or total_epsilon (the budget of "
+                "each group's tuned release), not both and not neither"
+            )
+        if self.total_epsilon is not None and not (
+            self.total_epsilon > 0 and math.isfinite(self.total_epsilon)
+        ):
+            raise ValueError(f"total_epsilon must be finite and > 0, got {self.total_epsilon}")
+        if self.validation_noise > 0:
+            noisy = {"val_accuracy", "val_ece"}
+            other = [o.metric for o in self.objectives if o.metric not in noisy]
+            if other:
+                raise ValueError(
+                    f"validation_noise releases only noised val_accuracy and val_ece; the "
+                    f"objective {other[0]} would be exact: use val_accuracy and val_ece"
+                )
+        return self
+
     @field_validator("epsilons")
     @classmethod
-    def _check_epsilons(cls, epsilons: list[float]) -> list[float]:
+    def _check_epsilons(cls, epsilons: list[float] | None) -> list[float] | None:
+        if epsilons is None:
+            return None
         for eps in epsilons:
             if not eps > 0:  # also rejects nan
                 raise ValueError(f"every epsilon must be > 0 (.inf = non-private), got {eps}")
@@ -405,7 +440,10 @@ class Pipeline(_Strict):
 
     @property
     def epsilon_list(self) -> list[float]:
-        """The privacy budgets, in the listed order (``inf`` = non-private)."""
+        """The groups' budgets, in the listed order (``inf`` = non-private): each trial's,
+        or with ``total_epsilon`` the one budget of each group's release."""
+        if self.epsilons is None:
+            return [float(self.total_epsilon)]
         return [float(e) for e in self.epsilons]
 
     @property
@@ -439,11 +477,15 @@ class Pipeline(_Strict):
             for eps in self.epsilon_list
         }
 
-    def base_train_config(self, optimizer: str, epsilon: float) -> dict[str, Any]:
+    def base_train_config(
+        self, optimizer: str, epsilon: float, trial_epsilon: float | None = None
+    ) -> dict[str, Any]:
         """The TrainConfig keys every trial of (optimizer, epsilon) starts from.
 
         Data fields, model, epochs, privacy settings, seed and the ``train`` extras; a trial's
-        config is this updated with ``spaces[optimizer].trial_config(...)``.
+        config is this updated with ``spaces[optimizer].trial_config(...)``. With
+        ``total_epsilon``, ``epsilon`` names the group and ``trial_epsilon`` is what its
+        trials spend.
         """
         if optimizer not in self._spaces:
             raise DpivonError(
@@ -467,9 +509,13 @@ class Pipeline(_Strict):
         config.update(
             model=self.model,
             epochs=self.epochs,
-            epsilon=float(epsilon),
+            epsilon=float(epsilon if trial_epsilon is None else trial_epsilon),
             delta=self.delta,
+            val_noise_multiplier=self.validation_noise,
             accountant=self.accountant,
+            # The split follows the pipeline seed; each trial's training seed (and so its
+            # noise) is derived from it and the trial id: see dpivon.search.trial.
+            data_seed=self.seed,
             seed=self.seed,
         )
         config.update(self.train)
@@ -478,17 +524,16 @@ class Pipeline(_Strict):
 
 
 def draw_trial_count(trial_count: str, mean: int, seed: int, key: str) -> int:
-    """How many trials one (optimizer, epsilon) group runs; >= 1, deterministic.
+    """How many trials one (optimizer, epsilon) group runs; >= 0, deterministic.
 
     - ``fixed``: ``mean``.
     - ``geometric``: P(K = k) = (1 - g)^(k-1) g for k >= 1 with g = 1 / mean, so E[K] = mean.
       This is the truncated negative binomial D(eta=1, gamma=g) of Papernot & Steinke
       (ICLR 2022, Theorem 2): releasing the best of K trials then costs the bound of that
       theorem, far less than K-fold composition. Its spread is large (std ~ mean).
-    - ``poisson``: K ~ Poisson(mean) (Theorem 6 there). K = 0 would mean no trial at all,
-      so it is clamped to 1: the distribution equals Poisson(mean) for k >= 2 and moves
-      the mass e^-mean of k = 0 to k = 1 (3e-4 for mean 8), which the privacy statement
-      should mention; E[K] = mean + e^-mean.
+    - ``poisson``: K ~ Poisson(mean) (Theorem 6 there). K = 0 is kept: that group runs
+      and releases nothing, and the tuning report records it (moving it to 1 would change
+      the distribution the bound assumes).
 
     The generator is ``numpy.random.default_rng([seed, crc32(key)])``: the pipeline seed
     plus a stable per-group offset (``key`` names the group, e.g. ``"dp-sgd@8.0"``).
@@ -501,7 +546,7 @@ def draw_trial_count(trial_count: str, mean: int, seed: int, key: str) -> int:
     if trial_count == "geometric":
         return int(rng.geometric(1.0 / mean))
     if trial_count == "poisson":
-        return max(1, int(rng.poisson(mean)))
+        return int(rng.poisson(mean))
     raise DpivonError(f"unknown trial_count {trial_count!r}; use fixed, poisson or geometric")
 
 

@@ -99,6 +99,8 @@ PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
     "model",
     "epochs",
     "seed",
+    "data_seed",
+    "secure_mode",
     "device",
     "fail_at_epoch",
     "val_size",
@@ -227,6 +229,9 @@ class IntParam(_Param):
     def extremes(self) -> list[Any]:
         return [self.low, self.high]
 
+    def values(self) -> list[Any]:
+        return list(range(self.low, self.high + 1, self.step))
+
     def contains(self, value: Any) -> bool:
         return (
             isinstance(value, int)
@@ -251,6 +256,9 @@ class CategoricalParam(_Param):
         return trial.suggest_categorical(name, list(self.choices))
 
     def extremes(self) -> list[Any]:
+        return list(self.choices)
+
+    def values(self) -> list[Any]:
         return list(self.choices)
 
     def contains(self, value: Any) -> bool:
@@ -323,6 +331,21 @@ class SearchSpace:
             values = [v for v in self._sampled[name].extremes() if isinstance(v, int | float)]
             return max(values) if values else None
         return None
+
+    def all_values(self, name: str) -> list[Any] | None:
+        """Every value a discrete ``name`` can take in a trial (``None`` if the space lacks it).
+
+        The tuning-privacy bound needs the whole set (not the values drawn): each batch size
+        is its own candidate mechanism. A continuous parameter has no such list: TypeError.
+        """
+        if name in self._fixed:
+            return [self._fixed[name]]
+        if name not in self._sampled:
+            return None
+        param = self._sampled[name]
+        if not hasattr(param, "values"):
+            raise TypeError(f"{name} is a continuous parameter; it has no finite set of values")
+        return param.values()
 
     def to_dict(self) -> dict[str, Any]:
         """The space as plain data (JSON/YAML-safe), for logging it with the sweep."""

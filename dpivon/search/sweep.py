@@ -36,7 +36,14 @@ from rich.console import Console
 from dpivon.config import parse_config
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
-from dpivon.privacy.tuning import TrialMechanism, tuning_privacy_report
+from dpivon.privacy.tuning import (
+    SweepConditions,
+    TrialMechanism,
+    candidate_mechanisms,
+    solve_trial_epsilon,
+    tuning_privacy_report,
+    worst_case_tuning_epsilon,
+)
 from dpivon.search.callbacks import (
     CHECKPOINT_TAG,
     STATUS_TAG,
@@ -59,6 +66,7 @@ from dpivon.training import load_data
 STATE_FILE = "sweep.json"
 TRIALS_FILE = "trials.csv"
 FRONT_FILE = "pareto_front.csv"
+TUNING_FILE = "tuning_privacy.json"
 console = Console(stderr=True)
 
 
@@ -73,6 +81,9 @@ class SweepState:
     parent_run_id: str
     objectives: list[tuple[str, str]]
     groups_done: list[str] = field(default_factory=list)
+    # group -> the epsilon each of its trials spends (differs from the group's budget only
+    # with total_epsilon); fixed when the sweep starts so that a resume keeps it
+    trial_epsilons: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, directory: Path) -> SweepState:
@@ -95,6 +106,62 @@ class CompletionAwareOptunaSearch(OptunaSearch):
         if result is not None and not result.get(COMPLETE):
             result = None
         super().on_trial_complete(trial_id, result=result, error=error)
+
+
+def group_name(optimizer: str, epsilon: float) -> str:
+    """The key of one (optimizer, epsilon) group: Tune experiment, MLflow tags, reports."""
+    return f"eps{epsilon:g}-{optimizer}"
+
+
+def sweep_conditions(pipeline: Pipeline) -> SweepConditions:
+    return SweepConditions(
+        trial_count=pipeline.trial_count,
+        mean_trials=float(pipeline.trials),
+        adaptive_sampler=pipeline.sampler != "random",
+        adaptive_scheduler=pipeline.scheduler.type != "none",
+        release=pipeline.release,
+    )
+
+
+def group_candidates(pipeline: Pipeline, optimizer: str, trial_epsilon: float) -> list:
+    """Mechanisms covering every trial the space can produce at ``trial_epsilon``."""
+    space = pipeline.spaces[optimizer]
+    batch_sizes = space.all_values("batch_size")
+    if batch_sizes is None:
+        base = pipeline.base_train_config(optimizer, pipeline.epsilon_list[0])
+        batch_sizes = [parse_config(base).batch_size]
+    return candidate_mechanisms(
+        batch_sizes,
+        dataset_size=pipeline.data.train_size,
+        epochs=pipeline.epochs,
+        target_epsilon=trial_epsilon,
+        delta=pipeline.delta,
+        accountant=pipeline.accountant,
+        validation_noise_multiplier=pipeline.validation_noise,
+    )
+
+
+def solve_trial_epsilons(pipeline: Pipeline, counts: dict) -> dict[str, float]:
+    """Each group's per-trial epsilon: its budget, or with ``total_epsilon`` the largest one
+    whose quoted tuning epsilon (worst case over the space) is at most the total."""
+    if pipeline.total_epsilon is None:
+        return {
+            group_name(o, e): e for o in pipeline.optimizer_names for e in pipeline.epsilon_list
+        }
+    conditions, total = sweep_conditions(pipeline), pipeline.total_epsilon
+    solved = {}
+    for optimizer in pipeline.optimizer_names:
+        trials = counts[(optimizer, total)]
+        console.print(f"solving the per-trial epsilon of {optimizer} for total {total:g}...")
+        eps = solve_trial_epsilon(
+            total,
+            lambda e, o=optimizer, k=trials: worst_case_tuning_epsilon(
+                group_candidates(pipeline, o, e), pipeline.delta, conditions, k
+            ),
+        )
+        console.print(f"  {optimizer}: each of {trials} trials spends epsilon {eps:.3f}")
+        solved[group_name(optimizer, total)] = eps
+    return solved
 
 
 def sweep_directory(pipeline: Pipeline) -> Path:
@@ -148,7 +215,11 @@ def _provenance() -> dict[str, str]:
 
 
 def _start_or_resume(
-    pipeline: Pipeline, directory: Path, tracker: Tracker, resume: bool
+    pipeline: Pipeline,
+    directory: Path,
+    tracker: Tracker,
+    resume: bool,
+    trial_epsilons: dict[str, float],
 ) -> SweepState:
     if (directory / STATE_FILE).exists():
         if not resume:
@@ -178,6 +249,9 @@ def _start_or_resume(
             "sampler": pipeline.sampler,
             "seed": pipeline.seed,
             "scheduler": pipeline.scheduler.type,
+            "release": pipeline.release,
+            "total_epsilon": pipeline.total_epsilon,
+            "validation_noise": pipeline.validation_noise,
             "epochs": pipeline.epochs,
             "model": pipeline.model,
             **_provenance(),
@@ -193,6 +267,7 @@ def _start_or_resume(
         tracker.experiment_name,
         parent,
         list(pipeline.objective_pairs),
+        trial_epsilons=trial_epsilons,
     )
     state.save(directory)
     return state
@@ -209,8 +284,8 @@ def _run_group(
     resume: bool,
 ) -> None:
     space = pipeline.spaces[optimizer]
-    base = pipeline.base_train_config(optimizer, epsilon)
-    group = f"eps{epsilon:g}-{optimizer}"
+    group = group_name(optimizer, epsilon)
+    base = pipeline.base_train_config(optimizer, epsilon, state.trial_epsilons[group])
     cpu, gpu = pipeline.resources.cpu, pipeline.resources.gpu
     trainable = tune.with_resources(
         tune.with_parameters(
@@ -290,6 +365,7 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
             {
                 "trial_id": tags.get(TRIAL_TAG),
                 "run_id": run.info.run_id,
+                "group": tags.get("dpivon.group"),
                 "optimizer": params.get("optimizer"),
                 "epsilon": float(params.get("epsilon", "nan")),
                 "status": status,
@@ -322,26 +398,65 @@ def _evaluate_front_on_test(front: pd.DataFrame, data, tracker: Tracker) -> pd.D
     return front.merge(pd.DataFrame(test_rows), on="trial_id", how="left") if test_rows else front
 
 
-def _tuning_privacy(trials: pd.DataFrame, pipeline: Pipeline, counts) -> dict[str, Any]:
+def _tuning_privacy(
+    trials: pd.DataFrame, pipeline: Pipeline, state: SweepState, counts
+) -> dict[str, Any]:
+    """Per private group: what its trials cost, under which threat model, what to quote."""
+    conditions = sweep_conditions(pipeline)
     reports = {}
-    for (optimizer, epsilon), group in trials.groupby(["optimizer", "epsilon"]):
-        if math.isinf(epsilon) or "noise_multiplier" not in group:
+    for (optimizer, budget), drawn in counts.items():
+        group = group_name(optimizer, budget)
+        trial_eps = state.trial_epsilons[group]
+        if math.isinf(trial_eps) or not parse_config(
+            pipeline.base_train_config(optimizer, budget, trial_eps)
+        ).is_private:
             continue
-        ran = group.dropna(subset=["noise_multiplier", "sample_rate", "steps"])
+        ran = trials[(trials["optimizer"] == optimizer) & (trials["epsilon"] == trial_eps)]
+        if "noise_multiplier" in ran:
+            ran = ran.dropna(subset=["noise_multiplier", "sample_rate", "steps"])
+        else:
+            ran = ran.iloc[0:0]
+        releases = pipeline.epochs if pipeline.validation_noise > 0 else 0
         mechanisms = [
-            TrialMechanism(r.noise_multiplier, r.sample_rate, int(r.steps))
+            TrialMechanism(
+                r.noise_multiplier, r.sample_rate, int(r.steps), pipeline.validation_noise,
+                releases,
+            )
             for r in ran.itertuples()
         ]
-        if not mechanisms:
-            continue
-        reports[f"eps{epsilon:g}-{optimizer}"] = tuning_privacy_report(
+        if not mechanisms and drawn > 0:
+            continue  # every trial failed before training: nothing ran, nothing to report
+        needs_candidates = drawn > 0 and not conditions.random_trials_obstacles()
+        report = tuning_privacy_report(
             mechanisms,
             pipeline.delta,
-            trial_count=pipeline.trial_count,
-            mean_trials=pipeline.trials,
-            adaptive=pipeline.sampler != "random",
+            conditions,
+            candidates=group_candidates(pipeline, optimizer, trial_eps)
+            if needs_candidates
+            else (),
+            drawn_trials=drawn,
         )
+        report["trial_epsilon"] = trial_eps
+        if pipeline.total_epsilon is not None:
+            report["total_epsilon"] = pipeline.total_epsilon
+        reports[group] = report
     return reports
+
+
+def privacy_summary_markdown(privacy: dict[str, Any]) -> str:
+    """The quoted epsilons as a Markdown table, for the parent run's description."""
+    lines = [
+        "| group | trials | per-trial eps | composition eps | quoted eps | covers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for group, r in privacy.items():
+        lines.append(
+            f"| {group} | {r['num_trials']} (drawn {r['drawn_trials']}) | "
+            f"{r['trial_epsilon']:.3g} | {r['composition_epsilon']:.3g} | "
+            f"{r['quoted_epsilon']:.3g} | {r['release']} release; {r['records_covered']} |"
+        )
+    quotes = "\n".join(f"- **{group}**: {r['quote']}" for group, r in privacy.items())
+    return "\n".join(lines) + "\n\n" + quotes
 
 
 def _finalize(
@@ -366,13 +481,16 @@ def _finalize(
     status_counts = trials["status"].value_counts()
     for status in ("completed", "early_stopped", "failed"):
         metrics[f"trials_{status}"] = float(status_counts.get(status, 0))
-    privacy = _tuning_privacy(trials, pipeline, counts)
+    privacy = _tuning_privacy(trials, pipeline, state, counts)
     for group, report in privacy.items():
         for key, value in report.items():
-            if isinstance(value, float | int) and np.isfinite(value):
+            numeric = isinstance(value, float | int) and not isinstance(value, bool)
+            if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
     tracker.log_metrics(parent, metrics)
     tracker.log_dict(parent, privacy, "tuning_privacy.json")
+    (directory / TUNING_FILE).write_text(json.dumps(privacy, indent=2))
+    tracker.set_tags(parent, {"mlflow.note.content": privacy_summary_markdown(privacy)})
     tracker.log_artifact(parent, directory / TRIALS_FILE)
     tracker.log_artifact(parent, directory / FRONT_FILE)
     title = f"{pipeline.name}: Pareto fronts on validation"
@@ -398,29 +516,37 @@ def run_sweep(
     data = load_data(
         parse_config(pipeline.base_train_config(first_optimizer, pipeline.epsilon_list[0]))
     )
-    state = _start_or_resume(pipeline, directory, tracker, resume)
+    counts = pipeline.trial_counts()
+    trial_epsilons = (
+        SweepState.load(directory).trial_epsilons
+        if resume and (directory / STATE_FILE).exists()
+        else solve_trial_epsilons(pipeline, counts)
+    )
+    state = _start_or_resume(pipeline, directory, tracker, resume, trial_epsilons)
     console.print(
         f"sweep {pipeline.name!r}: MLflow {tracker.tracking_uri}, experiment "
         f"{state.experiment!r}, parent run {state.parent_run_id}; results in {directory}"
     )
-    counts = pipeline.trial_counts()
     try:
         _init_ray(address)
         for epsilon in pipeline.epsilon_list:
             for optimizer in pipeline.spaces:
-                group = f"eps{epsilon:g}-{optimizer}"
+                group = group_name(optimizer, epsilon)
                 if group in state.groups_done:
                     continue
-                _run_group(
-                    pipeline,
-                    optimizer,
-                    epsilon,
-                    counts[(optimizer, epsilon)],
-                    data,
-                    state,
-                    directory,
-                    resume,
-                )
+                if counts[(optimizer, epsilon)] == 0:
+                    console.print(f"[bold]{group}[/]: K = 0 trials drawn; the group runs none")
+                else:
+                    _run_group(
+                        pipeline,
+                        optimizer,
+                        epsilon,
+                        counts[(optimizer, epsilon)],
+                        data,
+                        state,
+                        directory,
+                        resume,
+                    )
                 state.groups_done.append(group)
                 state.save(directory)
         trials = _finalize(pipeline, state, tracker, directory, data, counts)

@@ -7,6 +7,7 @@ epoch's report carries a checkpoint to resume from; the last one carries the tra
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import ray
 import torch
 from ray import tune
 
-from dpivon.config import parse_config
+from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.search.space import SearchSpace
 from dpivon.tracking import save_checkpoint
@@ -24,6 +25,27 @@ from dpivon.training import EpochReport, train
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
 COMPLETE = "training_complete"
+
+
+def trial_seed(pipeline_seed: int, trial_id: str) -> int:
+    """The training seed of one trial: distinct per trial, stable across resumes.
+
+    Trials must not share DP noise: two released models with equal noise and different
+    clip norms let an observer cancel it (g1/C1 - g2/C2 is noise-free), and composition
+    assumes independent trials.
+    """
+    digest = hashlib.blake2b(f"{pipeline_seed}:{trial_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")  # in [0, 2**32): what numpy's seed accepts
+
+
+def trial_train_config(
+    base_config: dict[str, Any], space: SearchSpace, params: dict[str, Any], trial_id: str
+) -> TrainConfig:
+    """A trial's full TrainConfig: the pipeline's settings, the sampled ones, its own seed."""
+    seed = trial_seed(base_config["data_seed"], trial_id)
+    return parse_config(
+        {**base_config, **space.trial_config(params), "seed": seed}, source="trial config"
+    )
 
 
 def _privacy_facts(summary: dict[str, Any]) -> dict[str, Any]:
@@ -41,13 +63,18 @@ def run_trial(
 ) -> None:
     """Ray Tune function trainable: ``params`` is what OptunaSearch drew."""
     torch.set_num_threads(max(1, threads))
-    config = parse_config({**base_config, **space.trial_config(params)}, source="trial config")
+    config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
     node = {"node_id": ray.get_runtime_context().get_node_id()}
+
+    def released(metrics: dict[str, Any]) -> dict[str, Any]:
+        # The training loss of a private run is computed on raw batches: not DP, not stored.
+        return {k: v for k, v in metrics.items() if not (config.is_private and k == "train_loss")}
+
     resume_state = None
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=False)
+            resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=True)
 
     def report_epoch(report: EpochReport) -> None:
         if report.epoch == config.epochs:
@@ -55,7 +82,7 @@ def run_trial(
         with tempfile.TemporaryDirectory() as directory:
             torch.save(report.checkpoint(), Path(directory) / RESUME_FILE)
             tune.report(
-                {**report.metrics, COMPLETE: 0, **node},
+                {**released(report.metrics), COMPLETE: 0, **node},
                 checkpoint=tune.Checkpoint.from_directory(directory),
             )
 
@@ -63,7 +90,7 @@ def run_trial(
         config, data=data, on_epoch_end=report_epoch, resume_state=resume_state, evaluate_test=False
     )
     final_metrics = {
-        **result.history[-1],
+        **released(result.history[-1]),
         **_privacy_facts(result.summary()),
         COMPLETE: 1,
         "wall_time_s": result.wall_time_s,

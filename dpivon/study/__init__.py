@@ -1,0 +1,5 @@
+"""The benchmark study: methods x epsilons x seeds, aggregated into a report.
+
+`spec` (the pipeline YAML), `benchmark` (runs on Ray, MLflow layout in `layout`),
+`aggregate` (means and spreads over seeds), `report` (Markdown and HTML).
+"""

@@ -1,0 +1,216 @@
+"""From a benchmark's MLflow child runs to per-(method, epsilon) means, spreads and a verdict.
+
+A `RunRecord` is what the report needs of one finished run: its final metrics, its
+per-epoch diagnostics (read from the MLflow metric history, so whatever `train` logged;
+non-IVON methods simply have none) and its test reliability bins. Aggregation is over the
+seeds of each (method, epsilon): mean and sample standard deviation (ddof 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dpivon.metrics import ReliabilityDiagram
+from dpivon.study.layout import RELIABILITY_FILE, child_runs, is_completed
+from dpivon.tracking import Tracker
+
+# What the results table aggregates, with the direction in which each improves.
+AGGREGATED: dict[str, str] = {
+    "test_accuracy": "max",
+    "test_nll": "min",
+    "test_ece": "min",
+    "test_brier": "min",
+    "test_ts_nll": "min",
+    "test_ts_ece": "min",
+    "temperature": "none",
+    "epsilon_spent": "none",
+    "wall_time_s": "none",
+}
+# Per-epoch keys the collapse diagnostics read (dpivon.optim.ivon.DPIVON documents them).
+DIAGNOSTIC_KEYS = (
+    "projected_fraction",
+    "hess_median",
+    "hess_q10",
+    "hess_q90",
+    "posterior_std_median",
+    "posterior_std_q10",
+    "posterior_std_q90",
+    "clamped_noise_share_median",
+    "grad_snr_median",
+    "curvature_update_share",
+)
+
+
+@dataclass
+class RunRecord:
+    """One finished benchmark run."""
+
+    method: str
+    optimizer: str
+    epsilon: float
+    replicate: int
+    metrics: dict[str, float]
+    history: dict[str, list[float]] = field(default_factory=dict)  # key -> value per epoch
+    reliability: ReliabilityDiagram | None = None
+    run_id: str = ""
+
+
+def reliability_from_dict(data: dict) -> ReliabilityDiagram:
+    def floats(values):
+        return np.array([math.nan if v is None else v for v in values], dtype=np.float64)
+
+    return ReliabilityDiagram(
+        bin_edges=np.asarray(data["bin_edges"], dtype=np.float64),
+        bin_accuracy=floats(data["bin_accuracy"]),
+        bin_confidence=floats(data["bin_confidence"]),
+        bin_count=np.asarray(data["bin_count"], dtype=np.int64),
+    )
+
+
+def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
+    """The completed children of a benchmark's parent run, as records."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in child_runs(tracker, parent_run_id).values():
+            if not is_completed(run):
+                continue
+            tags, run_id = run.data.tags, run.info.run_id
+            epsilon = float(tags["dpivon.epsilon"])
+            metrics = dict(run.data.metrics)
+            if math.isinf(epsilon):
+                metrics["epsilon_spent"] = math.inf  # MLflow stores finite values only
+            history = {}
+            for name in DIAGNOSTIC_KEYS:
+                if name in metrics:
+                    points = tracker.client.get_metric_history(run_id, name)
+                    history[name] = [m.value for m in sorted(points, key=lambda m: m.step)]
+            reliability = None
+            artifacts = {a.path for a in tracker.client.list_artifacts(run_id)}
+            if RELIABILITY_FILE in artifacts:
+                local = tracker.client.download_artifacts(run_id, RELIABILITY_FILE, tmp)
+                reliability = reliability_from_dict(json.loads(Path(local).read_text()))
+            records.append(
+                RunRecord(
+                    method=tags["dpivon.method"],
+                    optimizer=tags["dpivon.optimizer"],
+                    epsilon=epsilon,
+                    replicate=int(tags["dpivon.replicate"]),
+                    metrics=metrics,
+                    history=history,
+                    reliability=reliability,
+                    run_id=run_id,
+                )
+            )
+    return records
+
+
+def records_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
+    """One row per run: method, optimizer, epsilon, replicate and the aggregated metrics."""
+    rows = [
+        {
+            "method": r.method,
+            "optimizer": r.optimizer,
+            "epsilon": r.epsilon,
+            "replicate": r.replicate,
+            **{k: r.metrics.get(k, math.nan) for k in AGGREGATED},
+        }
+        for r in records
+    ]
+    return pd.DataFrame(rows, columns=["method", "optimizer", "epsilon", "replicate", *AGGREGATED])
+
+
+def aggregate(
+    records: Sequence[RunRecord], method_order: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """Per (method, epsilon): ``n`` seeds and ``<metric>_mean`` / ``<metric>_std``.
+
+    The std is the sample standard deviation over seeds (NaN with one seed). Rows follow
+    ``method_order`` (else first appearance), then epsilon ascending (inf last).
+    """
+    frame = records_frame(records)
+    order = list(method_order or dict.fromkeys(frame["method"]))
+    rows = []
+    for (method, epsilon), group in frame.groupby(["method", "epsilon"], sort=False):
+        row: dict[str, object] = {
+            "method": method,
+            "optimizer": group["optimizer"].iloc[0],
+            "epsilon": float(epsilon),
+            "n": len(group),
+        }
+        for metric in AGGREGATED:
+            values = group[metric].to_numpy(dtype=np.float64)
+            row[f"{metric}_mean"] = float(np.mean(values))
+            spread = len(values) > 1 and np.isfinite(values).all()
+            row[f"{metric}_std"] = float(np.std(values, ddof=1)) if spread else math.nan
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    rank = {m: i for i, m in enumerate(order)}
+    table["_rank"] = table["method"].map(lambda m: rank.get(m, len(rank)))
+    table = table.sort_values(["_rank", "epsilon"], kind="mergesort").drop(columns="_rank")
+    return table.reset_index(drop=True)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The best and runner-up methods at one epsilon on one metric."""
+
+    metric: str
+    epsilon: float
+    best: str
+    best_mean: float
+    best_std: float
+    second: str | None
+    second_mean: float
+    second_std: float
+
+    @property
+    def gap(self) -> float:
+        return abs(self.best_mean - self.second_mean)
+
+    @property
+    def beyond_spread(self) -> bool | None:
+        """True when the gap exceeds best std + runner-up std (their mean ± std intervals do
+        not overlap); None when a std is unknown (one seed)."""
+        spread = self.best_std + self.second_std
+        return None if math.isnan(spread) else self.gap > spread
+
+
+def compare(table: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
+    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from AGGREGATED)."""
+    rows = table[(table["epsilon"] == epsilon) & table[f"{metric}_mean"].notna()]
+    if rows.empty:
+        return None
+    ranked = rows.sort_values(
+        f"{metric}_mean", ascending=AGGREGATED[metric] == "min", kind="mergesort"
+    )
+    best = ranked.iloc[0]
+    second = ranked.iloc[1] if len(ranked) > 1 else None
+    return Comparison(
+        metric,
+        epsilon,
+        best["method"],
+        best[f"{metric}_mean"],
+        best[f"{metric}_std"],
+        None if second is None else second["method"],
+        math.nan if second is None else second[f"{metric}_mean"],
+        math.nan if second is None else second[f"{metric}_std"],
+    )
+
+
+def verdict_epsilons(table: pd.DataFrame) -> list[float]:
+    """The smallest and largest finite epsilon (one if equal; inf if there is no finite)."""
+    epsilons = sorted(set(table["epsilon"])) if not table.empty else []
+    finite = [e for e in epsilons if math.isfinite(e)]
+    if not finite:
+        return epsilons[:1]
+    return sorted({finite[0], finite[-1]})

@@ -1,0 +1,438 @@
+"""`dpivon benchmark`: every (method, epsilon, seed) trained once on Ray, tracked in MLflow.
+
+Each run is one Ray task (the resources of the pipeline), calling the one
+`dpivon.training.train` with the test set evaluated, then fitting a temperature on the
+validation predictive (`dpivon.calibration`) and scoring the tempered test predictive.
+The driver alone writes MLflow, like a sweep's: one parent run per benchmark, one child
+run per (method, epsilon, seed), created when the run is submitted and filled in when it
+returns (per-epoch history, final metrics, reliability bins). Every wait has a deadline:
+results are polled, and a run past ``run_timeout_s`` is cancelled and recorded as failed.
+
+State lives in ``<storage_path>/<name>/benchmark.json`` (the parent run). ``--resume``
+reuses the parent and skips every child that MLflow records as completed; a child that was
+running, failed or cancelled runs again in the same MLflow run. A run is only skipped if
+its configuration is the one the pipeline asks for now (a config hash on the child).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dpivon.calibration import apply_temperature, fit_temperature
+from dpivon.config import TrainConfig
+from dpivon.data import DataSplits
+from dpivon.errors import DpivonError
+from dpivon.evaluation import evaluate
+from dpivon.metrics import ReliabilityDiagram, classification_metrics
+from dpivon.search.sweep import _init_ray, _provenance
+from dpivon.study.aggregate import load_records
+from dpivon.study.layout import (
+    COMPLETED,
+    CONFIG_HASH_TAG,
+    KEY_TAG,
+    KIND,
+    RELIABILITY_FILE,
+    STATUS_TAG,
+    child_runs,
+    is_completed,
+)
+from dpivon.study.report import Report, build_report, log_report, write_report
+from dpivon.study.spec import BenchmarkPipeline, RunSpec
+from dpivon.tracking import Tracker, log_training_result
+from dpivon.training import TrainResult, load_data, train
+
+STATE_FILE = "benchmark.json"
+REPORT_DIR = "report"
+GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
+POLL_S = 5.0  # how long one wait for a finished run lasts before deadlines are checked
+console = Console(stderr=True)
+
+
+@dataclass
+class BenchmarkState:
+    """What a resumed driver needs: the parent run of this benchmark."""
+
+    name: str
+    pipeline_path: str
+    tracking_uri: str
+    experiment: str
+    parent_run_id: str
+
+    @classmethod
+    def load(cls, directory: Path) -> BenchmarkState:
+        return cls(**json.loads((directory / STATE_FILE).read_text()))
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / f"{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(self.__dict__, indent=2))
+        tmp.replace(directory / STATE_FILE)
+
+
+@dataclass
+class BenchmarkOutcome:
+    """The parent run and what happened to the runs of this invocation."""
+
+    parent_run_id: str
+    tracker: Tracker
+    skipped: int
+    completed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # run key -> error line
+    report: Report | None = None
+    report_files: list[Path] = field(default_factory=list)  # report.md, report.html, ...
+
+
+# --- one run (inside a Ray worker) ----------------------------------------------------------
+
+
+def temperature_scaled(result: TrainResult, data: DataSplits) -> dict[str, float]:
+    """Post-hoc temperature scaling: T fitted on the validation predictive (exact scores of
+    the validation records, as the sweep uses them), applied to the test predictive.
+
+    The predictives are re-evaluated with the run's own settings and seed, so they are the
+    ones `train` scored (same BMA draws); the arg-max, hence accuracy, is unchanged.
+    """
+    config = result.config
+
+    def predictive(split):
+        return evaluate(
+            result.model,
+            split,
+            posterior=result.posterior,
+            bma_samples=config.bma_samples,
+            n_bins=config.ece_bins,
+            seed=config.seed,
+        )
+
+    val, test = predictive(data.val), predictive(data.test)
+    temperature = fit_temperature(val.probs, val.labels)
+    tempered = classification_metrics(
+        apply_temperature(test.probs, temperature), test.labels, config.ece_bins
+    )
+    return {
+        "temperature": temperature,
+        **{f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"},
+    }
+
+
+def run_one(config: TrainConfig, data: DataSplits, threads: int) -> TrainResult:
+    """Body of the Ray task: train, test, temperature-scale; the model returns on the CPU."""
+    torch.set_num_threads(max(1, threads))
+    result = train(config, data=data, evaluate_test=True)
+    result.extra.update(temperature_scaled(result, data))
+    return result
+
+
+# --- MLflow layout --------------------------------------------------------------------------
+
+
+def config_hash(spec: RunSpec) -> str:
+    return hashlib.sha256(spec.config_json.encode()).hexdigest()[:16]
+
+
+def reliability_to_dict(diagram: ReliabilityDiagram) -> dict[str, list]:
+    return {
+        "bin_edges": diagram.bin_edges.tolist(),
+        "bin_accuracy": [None if math.isnan(v) else v for v in diagram.bin_accuracy.tolist()],
+        "bin_confidence": [None if math.isnan(v) else v for v in diagram.bin_confidence.tolist()],
+        "bin_count": diagram.bin_count.tolist(),
+    }
+
+
+def _child_tags(spec: RunSpec) -> dict[str, str]:
+    tags = {
+        KEY_TAG: spec.key,
+        CONFIG_HASH_TAG: config_hash(spec),
+        STATUS_TAG: "running",
+        "dpivon.kind": "benchmark-run",
+        "dpivon.method": spec.method,
+        "dpivon.optimizer": spec.config.optimizer,
+        "dpivon.epsilon": f"{spec.epsilon:g}",
+        "dpivon.replicate": str(spec.replicate),
+    }
+    if spec.tuned_by:
+        tags["dpivon.tuned_by"] = spec.tuned_by
+    return tags
+
+
+def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
+    """The child run of ``spec``: a new one, or the unfinished one of an earlier attempt."""
+    if existing is not None:
+        run_id = existing.info.run_id
+        tracker.set_tags(run_id, {STATUS_TAG: "running", "error": ""})
+        tracker.client.update_run(run_id, status="RUNNING")
+        return run_id
+    run_id = tracker.start_run(
+        f"{spec.method}-eps{spec.epsilon:g}-seed{spec.replicate}",
+        parent_run_id=parent,
+        tags=_child_tags(spec),
+    )
+    tracker.log_params(
+        run_id,
+        {**spec.config.model_dump(mode="json"), "method": spec.method, "replicate": spec.replicate},
+    )
+    return run_id
+
+
+def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
+    """Per-epoch history, final metrics, summary, reliability bins and diagram."""
+    private = result.config.is_private
+    for metrics in result.history:
+        # a private run's training loss is computed on raw batches: not DP, not stored
+        released = {k: v for k, v in metrics.items() if not (private and k == "train_loss")}
+        tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
+    log_training_result(tracker, run_id, result, with_model=False)
+    tracker.log_metrics(run_id, {"temperature": result.extra["temperature"]}, result.config.epochs)
+    if result.test_reliability is not None:
+        tracker.log_dict(run_id, reliability_to_dict(result.test_reliability), RELIABILITY_FILE)
+    tracker.set_tags(run_id, {STATUS_TAG: COMPLETED})
+    tracker.end_run(run_id, "FINISHED")
+
+
+def _fail(tracker: Tracker, run_id: str, message: str, status: str = "FAILED") -> None:
+    tracker.set_tags(run_id, {STATUS_TAG: "failed", "error": message[:5000]})
+    tracker.end_run(run_id, status)
+
+
+def error_line(err: BaseException) -> str:
+    """The original exception of a failed Ray task, in one line."""
+    cause = getattr(err, "cause", None) or err
+    text = f"{type(cause).__name__}: {cause}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool) -> str:
+    directory = pipeline.directory
+    if (directory / STATE_FILE).exists():
+        if not resume:
+            raise DpivonError(
+                f"benchmark {pipeline.name!r} already exists in {directory}; pass --resume to "
+                "continue it, or change the pipeline's name (or delete that folder) to start over"
+            )
+        state = BenchmarkState.load(directory)
+        tracker.client.update_run(state.parent_run_id, status="RUNNING")
+        return state.parent_run_id
+    if resume:
+        console.print(f"[yellow]note:[/] nothing to resume in {directory}; starting the benchmark")
+    directory.mkdir(parents=True, exist_ok=True)
+    parent = tracker.start_run(
+        pipeline.name, tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": str(directory)}
+    )
+    tracker.log_params(
+        parent,
+        {
+            "benchmark": pipeline.name,
+            "methods": pipeline.method_names,
+            "epsilons": pipeline.epsilon_list,
+            "seeds": pipeline.seeds,
+            "split_seed": pipeline.split_seed,
+            "delta": pipeline.delta,
+            "epochs": pipeline.epochs,
+            "model": pipeline.model,
+            "dataset": pipeline.data.dataset,
+            "per_class": pipeline.data.per_class,
+            "runs": len(pipeline.runs),
+            **_provenance(),
+        },
+    )
+    tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
+    BenchmarkState(
+        pipeline.name, str(pipeline.path), tracker.tracking_uri, tracker.experiment_name, parent
+    ).save(directory)
+    return parent
+
+
+def _pending_runs(pipeline: BenchmarkPipeline, existing: dict[str, Any]) -> list[RunSpec]:
+    """The runs still to do; refuses to resume runs whose configuration has changed."""
+    todo = []
+    for spec in pipeline.runs:
+        run = existing.get(spec.key)
+        if run is not None and run.data.tags.get(CONFIG_HASH_TAG) != config_hash(spec):
+            raise DpivonError(
+                f"run {spec.key} of benchmark {pipeline.name!r} was started with another "
+                "configuration; a resume must not mix them: restore the pipeline, or rename it "
+                "to start a new benchmark"
+            )
+        if run is None or not is_completed(run):
+            todo.append(spec)
+    return todo
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _finished_line(spec: RunSpec, result: TrainResult) -> str:
+    test = result.test or {}
+    return (
+        f"[bold]{spec.key}[/] done: test acc {test.get('accuracy', math.nan):.4f}, "
+        f"ECE {test.get('ece', math.nan):.4f}, NLL {test.get('nll', math.nan):.4f}, "
+        f"{result.wall_time_s:.0f} s"
+    )
+
+
+def execute_runs(
+    pipeline: BenchmarkPipeline,
+    tracker: Tracker,
+    parent: str,
+    todo: list[RunSpec],
+    existing: dict[str, Any],
+    data: DataSplits,
+    outcome: BenchmarkOutcome,
+) -> None:
+    """Submit ``todo`` as Ray tasks, at most ``concurrency`` at a time, and log each result
+    as it arrives. Waits are bounded: POLL_S per wait, ``run_timeout_s`` per run."""
+    cpu, gpu = pipeline.resources.cpu, pipeline.resources.gpu
+    task = ray.remote(num_cpus=cpu, num_gpus=gpu, max_retries=0)(run_one)
+    data_ref = ray.put(data)
+    queue = list(todo)
+    in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, float]] = {}
+    total = len(pipeline.runs)
+    with _progress() as bar:
+        progress = bar.add_task(pipeline.name, total=total, completed=total - len(todo), status="")
+
+        def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
+            spec, run_id, _ = in_flight.pop(ref)
+            if message is None:
+                try:
+                    result = ray.get(ref, timeout=GET_TIMEOUT_S)
+                except (ray.exceptions.RayError, TimeoutError) as err:
+                    message = error_line(err)
+                else:
+                    _log_result(tracker, run_id, result)
+                    outcome.completed.append(spec.key)
+                    bar.console.print(_finished_line(spec, result), highlight=False)
+            if message is not None:
+                _fail(tracker, run_id, message, status)
+                outcome.failed[spec.key] = message
+                bar.console.print(f"[bold]{spec.key}[/] [red]failed[/]: {message}", highlight=False)
+            bar.update(
+                progress,
+                advance=1,
+                status=f"{len(in_flight)} running, {len(outcome.failed)} failed",
+            )
+
+        try:
+            while queue or in_flight:
+                while queue and len(in_flight) < pipeline.concurrency:
+                    spec = queue.pop(0)
+                    run_id = _open_child(tracker, parent, spec, existing.get(spec.key))
+                    threads = max(1, int(cpu))
+                    ref = task.remote(spec.config, data_ref, threads)
+                    in_flight[ref] = (spec, run_id, time.monotonic())
+                bar.update(
+                    progress, status=f"{len(in_flight)} running, {len(outcome.failed)} failed"
+                )
+                ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
+                for ref in ready:
+                    finish(ref)
+                now = time.monotonic()
+                for ref, (_, _, started) in list(in_flight.items()):
+                    if now - started > pipeline.run_timeout_s:
+                        ray.cancel(ref, force=True)
+                        finish(ref, f"cancelled after run_timeout_s={pipeline.run_timeout_s:g} s")
+        except KeyboardInterrupt:
+            for ref in list(in_flight):
+                ray.cancel(ref, force=True)
+                finish(ref, "interrupted (Ctrl-C); --resume runs it again", status="KILLED")
+            raise
+
+
+def report_benchmark(
+    pipeline: BenchmarkPipeline, tracker: Tracker, parent: str, failed: dict[str, str]
+) -> tuple[Report, list[Path]]:
+    """Build the report from every completed child in MLflow (this invocation's and earlier
+    ones'), write it under ``<directory>/report`` and log it on the parent run."""
+    records = load_records(tracker, parent)
+    configs = {}
+    for spec in pipeline.runs:
+        configs.setdefault(
+            spec.method, {**spec.config.model_dump(mode="json"), "tuned_by": spec.tuned_by}
+        )
+    data = pipeline.data
+    subset = f", {data.per_class} per class" if data.per_class else ""
+    settings = [
+        f"data: {data.dataset} ({data.train_size} training images{subset}, "
+        f"{data.effective_val_size} validation, the full test set), split seed "
+        f"{pipeline.split_seed}",
+        f"model {pipeline.model}, {pipeline.epochs} epochs, delta {pipeline.delta:g}, "
+        f"accountant {pipeline.accountant}",
+        f"seeds {pipeline.seeds}; {len(records)} of {len(pipeline.runs)} runs completed",
+        f"MLflow: experiment `{tracker.experiment_name}`, parent run `{parent}`",
+    ]
+    report = build_report(
+        f"Benchmark {pipeline.name}",
+        records,
+        method_order=pipeline.method_names,
+        settings=settings,
+        method_configs=configs,
+        sweeps=pipeline.sweep_directories,
+        failed=failed,
+    )
+    files = write_report(report, pipeline.directory / REPORT_DIR)
+    log_report(tracker, parent, report, files)
+    return report, files
+
+
+def run_benchmark(
+    pipeline: BenchmarkPipeline,
+    *,
+    address: str | None = None,
+    tracking_uri: str | None = None,
+    resume: bool = False,
+) -> BenchmarkOutcome:
+    """Run (or resume) every run of the benchmark, then report on all completed runs.
+
+    Runs that fail are recorded (FAILED child, error tag) and left out of the report; the
+    parent still ends FINISHED, with ``failed_runs`` saying how many, so that ``--resume``
+    can complete it later.
+    """
+    tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
+    data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
+    parent = _start_or_resume(pipeline, tracker, resume)
+    existing = child_runs(tracker, parent)
+    todo = _pending_runs(pipeline, existing)
+    outcome = BenchmarkOutcome(parent, tracker, skipped=len(pipeline.runs) - len(todo))
+    console.print(
+        f"benchmark {pipeline.name!r}: MLflow {tracker.tracking_uri}, experiment "
+        f"{tracker.experiment_name!r}, parent run {parent}; {len(todo)} of "
+        f"{len(pipeline.runs)} runs to do ({outcome.skipped} finished before)"
+    )
+    try:
+        if todo:
+            _init_ray(address)
+            execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
+        outcome.report, outcome.report_files = report_benchmark(
+            pipeline, tracker, parent, outcome.failed
+        )
+    except KeyboardInterrupt:
+        tracker.end_run(parent, "KILLED")
+        raise
+    except BaseException as err:
+        tracker.set_tags(parent, {"error": f"{type(err).__name__}: {err}"[:5000]})
+        tracker.end_run(parent, "FAILED")
+        raise
+    tracker.set_tags(parent, {"failed_runs": str(len(outcome.failed))})
+    tracker.end_run(parent, "FINISHED")
+    return outcome

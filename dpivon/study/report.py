@@ -1,0 +1,566 @@
+"""The benchmark report: one Markdown file and one self-contained HTML page.
+
+Both render the same blocks (headings, paragraphs, tables, figures), so they never
+disagree; the HTML embeds every figure as a base64 PNG and needs no other file, the
+Markdown links the PNGs written beside it. The results table and the two-line verdict are
+also what the parent MLflow run's description (``mlflow.note.content``) shows.
+
+Figures: metric versus epsilon per method (mean, error bars one std over seeds),
+reliability diagrams pooled over seeds (`dpivon.metrics.plot_reliability_diagram`) at the
+smallest and largest finite epsilon, the curvature-collapse diagnostics over training per
+epsilon (whatever the runs logged; methods without them are left out of those panels), and
+the Pareto fronts of the sweeps the tuned methods came from (`dpivon.search.pareto`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from dpivon.metrics import ReliabilityDiagram, plot_reliability_diagram
+from dpivon.study.aggregate import (
+    Comparison,
+    RunRecord,
+    aggregate,
+    compare,
+    records_frame,
+    verdict_epsilons,
+)
+from dpivon.tracking import Tracker
+
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+FIGURES = "figures"
+RESULTS_CSV = "results.csv"
+RUNS_CSV = "runs.csv"
+SPREAD_RULE = (
+    '"Beyond the seeds\' spread" means the gap between the two means exceeds the sum of '
+    "their standard deviations over seeds (the mean ± std intervals do not overlap); with "
+    "3 seeds this is a screen, not a significance test."
+)
+TEMPERATURE_NOTE = (
+    "NLL (TS) and ECE (TS) are after post-hoc temperature scaling (`dpivon.calibration`): "
+    "one temperature T per run, fitted by NLL on the validation split's predictive and "
+    "applied to the test predictive (accuracy is unchanged). It uses the validation records "
+    "with exact scores, as the sweep does: they are held out from training, so the training "
+    "epsilon does not cover them; a release would fit T on public data or privately."
+)
+# (column, header, scale, decimals) of the results table
+_COLUMNS = (
+    ("test_accuracy", "accuracy %", 100.0, 1),
+    ("test_nll", "NLL", 1.0, 3),
+    ("test_ece", "ECE", 1.0, 3),
+    ("test_brier", "Brier", 1.0, 3),
+    ("test_ts_nll", "NLL (TS)", 1.0, 3),
+    ("test_ts_ece", "ECE (TS)", 1.0, 3),
+    ("temperature", "T", 1.0, 2),
+    ("epsilon_spent", "eps spent", 1.0, 2),
+    ("wall_time_s", "wall s", 1.0, 0),
+)
+_CURVES = (
+    ("test_accuracy", "test accuracy"),
+    ("test_nll", "test NLL"),
+    ("test_ece", "test ECE"),
+    ("test_ts_ece", "test ECE after temperature scaling"),
+)
+# (median key, band keys or None, title): one row of the diagnostics figure each
+_DIAGNOSTIC_ROWS = (
+    ("projected_fraction", None, "share of v_hat projected to 0"),
+    ("hess_median", ("hess_q10", "hess_q90"), "h: median, q10-q90 band"),
+    (
+        "posterior_std_median",
+        ("posterior_std_q10", "posterior_std_q90"),
+        "posterior std: median, q10-q90 band",
+    ),
+    ("clamped_noise_share_median", None, "share of h clamped noise alone gives (median)"),
+    ("grad_snr_median", None, "SNR of g_dp per tensor (median)"),
+    ("curvature_update_share", None, "curvature's share of the update"),
+)
+_HYPER_PARAMETERS = (
+    "lr",
+    "batch_size",
+    "max_grad_norm",
+    "momentum",
+    "beta2",
+    "hess_init",
+    "weight_decay",
+    "curvature_estimator",
+    "curvature_ema",
+    "curvature_pool",
+    "hess_floor",
+    "second_moment_floor",
+    "lr_schedule",
+    "bma_samples",
+)
+
+
+# --- blocks, rendered to Markdown and to HTML ----------------------------------------------
+
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Paragraph:
+    text: str
+
+
+@dataclass
+class Bullets:
+    items: list[str]
+
+
+@dataclass
+class TableBlock:
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Images:
+    """Figures side by side: file names (under figures/) with their PNG bytes."""
+
+    names: list[str]
+    caption: str = ""
+
+
+Block = Heading | Paragraph | Bullets | TableBlock | Images
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _inline_html(text: str) -> str:
+    """Escape, then the two inline marks the report uses: **bold** and `code`."""
+    escaped = html.escape(text)
+    escaped = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", escaped)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", escaped)
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f2f2f2} td:first-child,th:first-child{text-align:left}
+.images{display:flex;flex-wrap:wrap;gap:8px} .images img{max-width:100%}
+figcaption{font-size:0.9em;color:#555}
+code{background:#f4f4f4;padding:0 3px}
+"""
+
+
+@dataclass
+class Report:
+    """A built report: its blocks, figures (PNG bytes by file name) and numbers."""
+
+    title: str
+    blocks: list[Block]
+    table: pd.DataFrame
+    runs: pd.DataFrame
+    verdict: list[str]
+    figures: dict[str, bytes] = field(default_factory=dict)
+
+    def results_markdown(self) -> str:
+        return markdown_table(*results_rows(self.table))
+
+    def note(self) -> str:
+        """The parent run's description: verdict, rule and table, in Markdown."""
+        verdict = "\n".join(f"- {line}" for line in self.verdict)
+        return (
+            f"**{self.title}**\n\n{verdict}\n\n{SPREAD_RULE}\n\n{self.results_markdown()}\n\n"
+            f"Mean ± std over seeds. {TEMPERATURE_NOTE} Full report: artifact "
+            f"`report/{REPORT_HTML}`."
+        )
+
+    def markdown(self) -> str:
+        parts = [f"# {self.title}"]
+        for block in self.blocks:
+            if isinstance(block, Heading):
+                parts.append("#" * block.level + " " + block.text)
+            elif isinstance(block, Paragraph):
+                parts.append(block.text)
+            elif isinstance(block, Bullets):
+                parts.append("\n".join(f"- {item}" for item in block.items))
+            elif isinstance(block, TableBlock):
+                parts.append(markdown_table(block.header, block.rows))
+            else:
+                images = " ".join(f"![{n}]({FIGURES}/{n})" for n in block.names)
+                parts.append(images + (f"\n\n*{block.caption}*" if block.caption else ""))
+        return "\n\n".join(parts) + "\n"
+
+    def html(self) -> str:
+        parts = [f"<h1>{html.escape(self.title)}</h1>"]
+        for block in self.blocks:
+            if isinstance(block, Heading):
+                parts.append(f"<h{block.level}>{_inline_html(block.text)}</h{block.level}>")
+            elif isinstance(block, Paragraph):
+                parts.append(f"<p>{_inline_html(block.text)}</p>")
+            elif isinstance(block, Bullets):
+                items = "".join(f"<li>{_inline_html(item)}</li>" for item in block.items)
+                parts.append(f"<ul>{items}</ul>")
+            elif isinstance(block, TableBlock):
+                head = "".join(f"<th>{_inline_html(h)}</th>" for h in block.header)
+                body = "".join(
+                    "<tr>" + "".join(f"<td>{_inline_html(c)}</td>" for c in row) + "</tr>"
+                    for row in block.rows
+                )
+                parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            else:
+                images = "".join(
+                    f'<img alt="{html.escape(n)}" src="data:image/png;base64,'
+                    f'{base64.b64encode(self.figures[n]).decode()}">'
+                    for n in block.names
+                )
+                caption = f"<figcaption>{_inline_html(block.caption)}</figcaption>"
+                parts.append(f'<figure><div class="images">{images}</div>{caption}</figure>')
+        return (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{html.escape(self.title)}</title><style>{_CSS}</style></head><body>\n"
+            + "\n".join(parts)
+            + "\n</body></html>\n"
+        )
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+
+def epsilon_label(epsilon: float) -> str:
+    return "inf" if math.isinf(epsilon) else f"{epsilon:g}"
+
+
+def mean_std(mean: float, std: float, scale: float = 1.0, decimals: int = 3) -> str:
+    """``mean ± std`` (scaled); ``inf`` and missing values spelled out."""
+    if math.isnan(mean):
+        return "-"
+    if math.isinf(mean):
+        return "inf"
+    text = f"{mean * scale:.{decimals}f}"
+    return text if math.isnan(std) else f"{text} ± {std * scale:.{decimals}f}"
+
+
+def results_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the results table (mean ± std over seeds)."""
+    header = ["method", "eps", "seeds", *(h for _, h, _, _ in _COLUMNS)]
+    rows = [
+        [
+            str(row["method"]),
+            epsilon_label(row["epsilon"]),
+            str(int(row["n"])),
+            *(
+                mean_std(row[f"{c}_mean"], row[f"{c}_std"], scale, decimals)
+                for c, _, scale, decimals in _COLUMNS
+            ),
+        ]
+        for _, row in table.iterrows()
+    ]
+    return header, rows
+
+
+def _comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str, word: str):
+    if c is None:
+        return None
+    best = f"**{c.best}** ({mean_std(c.best_mean, c.best_std, scale, decimals)}{unit})"
+    if c.second is None:
+        return f"{best}, the only method"
+    spread = {True: "beyond", False: "within", None: "spread unknown:"}[c.beyond_spread]
+    gap = f"{c.gap * scale:.{decimals}f}{unit}"
+    second = f"{c.second} ({mean_std(c.second_mean, c.second_std, scale, decimals)}{unit})"
+    return f"{best}, {gap} {word} {second}, {spread} the seeds' spread"
+
+
+def verdict_lines(table: pd.DataFrame) -> list[str]:
+    """One line per extreme epsilon: who has the best mean accuracy and ECE, and whether
+    the margin over the runner-up exceeds the seeds' spread (see SPREAD_RULE)."""
+    lines = []
+    for eps in verdict_epsilons(table):
+        accuracy = _comparison_text(compare(table, "test_accuracy", eps), 100.0, 1, " %", "above")
+        ece = _comparison_text(compare(table, "test_ece", eps), 1.0, 3, "", "below")
+        lines.append(
+            f"epsilon {epsilon_label(eps)}: best mean test accuracy {accuracy}; "
+            f"lowest mean test ECE {ece}."
+        )
+    return lines
+
+
+# --- figures ---------------------------------------------------------------------------------
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
+
+
+def _epsilon_axis(epsilons: Sequence[float]) -> dict[float, float]:
+    """x position of each epsilon on a log axis; inf sits one step right of the largest."""
+    finite = sorted(e for e in epsilons if math.isfinite(e))
+    positions = {e: e for e in finite}
+    if any(math.isinf(e) for e in epsilons):
+        positions[math.inf] = finite[-1] * 4.0 if finite else 1.0
+    return positions
+
+
+def plot_metric_curves(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
+    """Accuracy, NLL, ECE and tempered ECE versus epsilon; error bars one std over seeds."""
+    positions = _epsilon_axis(table["epsilon"].tolist())
+    fig = Figure(figsize=(4.0 * len(_CURVES), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(_CURVES))
+    for ax, (metric, title) in zip(axes, _CURVES, strict=True):
+        for i, method in enumerate(methods):
+            rows = table[table["method"] == method]
+            if rows.empty:
+                continue
+            jitter = 1.0 + 0.04 * (i - (len(methods) - 1) / 2)  # keeps error bars apart
+            x = [positions[e] * jitter for e in rows["epsilon"]]
+            ax.errorbar(
+                x,
+                rows[f"{metric}_mean"],
+                yerr=rows[f"{metric}_std"].fillna(0.0),
+                marker="o",
+                ms=4,
+                capsize=3,
+                label=method,
+                color=f"C{i % 10}",
+            )
+        ax.set_xscale("log")
+        ax.set_xticks(list(positions.values()), [epsilon_label(e) for e in positions])
+        ax.minorticks_off()
+        ax.set(title=title, xlabel="epsilon")
+        ax.grid(alpha=0.3)
+    axes[0].legend(frameon=False, fontsize="small")
+    return fig
+
+
+def pooled_reliability(diagrams: Sequence[ReliabilityDiagram]) -> ReliabilityDiagram:
+    """The diagram of all seeds' test predictions together (bin sums added up)."""
+    count = np.sum([d.bin_count for d in diagrams], axis=0)
+    correct = np.sum([np.nan_to_num(d.bin_accuracy) * d.bin_count for d in diagrams], axis=0)
+    confidence = np.sum([np.nan_to_num(d.bin_confidence) * d.bin_count for d in diagrams], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ReliabilityDiagram(
+            bin_edges=diagrams[0].bin_edges,
+            bin_accuracy=np.where(count > 0, correct / count, np.nan),
+            bin_confidence=np.where(count > 0, confidence / count, np.nan),
+            bin_count=count.astype(np.int64),
+        )
+
+
+def _curves(records: Sequence[RunRecord], key: str) -> np.ndarray | None:
+    """Seeds x epochs of one history key (cut to the shortest), None if no record has it."""
+    series = [r.history[key] for r in records if r.history.get(key)]
+    if not series:
+        return None
+    length = min(len(s) for s in series)
+    return np.array([s[:length] for s in series], dtype=np.float64)
+
+
+def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Figure | None:
+    """The collapse diagnostics over training: one row per logged diagnostic, one column per
+    epsilon, one line per method (mean over seeds; band: mean q10-q90, or ± one std)."""
+    rows = [r for r in _DIAGNOSTIC_ROWS if any(r[0] in rec.history for rec in records)]
+    epsilons = sorted({r.epsilon for r in records if r.history})
+    if not rows or not epsilons:
+        return None
+    fig = Figure(figsize=(3.6 * len(epsilons) + 1.8, 2.5 * len(rows)), layout="constrained")
+    axes = fig.subplots(len(rows), len(epsilons), squeeze=False, sharex=True)
+    for col, eps in enumerate(epsilons):
+        for row, (key, band, title) in enumerate(rows):
+            ax = axes[row][col]
+            positive = True
+            for i, method in enumerate(methods):
+                group = [r for r in records if r.method == method and r.epsilon == eps]
+                values = _curves(group, key)
+                if values is None:
+                    continue
+                epochs = np.arange(1, values.shape[1] + 1)
+                mean = values.mean(axis=0)
+                if band is not None:
+                    low, high = (_curves(group, k) for k in band)
+                    low = low.mean(axis=0)[: len(mean)] if low is not None else mean
+                    high = high.mean(axis=0)[: len(mean)] if high is not None else mean
+                else:
+                    std = values.std(axis=0, ddof=1) if len(values) > 1 else 0.0 * mean
+                    low, high = mean - std, mean + std
+                colour = f"C{i % 10}"
+                ax.plot(epochs, mean, marker="o", ms=3, color=colour, label=method)
+                ax.fill_between(epochs, low, high, color=colour, alpha=0.15, lw=0)
+                positive = positive and bool(np.all(np.concatenate([low, mean]) > 0))
+            if key in ("hess_median", "posterior_std_median", "grad_snr_median") and positive:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"epsilon {epsilon_label(eps)}")
+            if col == 0:
+                ax.set_ylabel(title, fontsize="small")
+            if row == len(rows) - 1:
+                ax.set_xlabel("epoch")
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+            labels[label] = label
+    fig.legend(list(handles.values()), list(labels), loc="outside right center", frameon=False)
+    return fig
+
+
+def _pareto_png(directory: Path) -> bytes:
+    from dpivon.search.export import load_results
+    from dpivon.search.pareto import plot_fronts_png
+    from dpivon.search.sweep import SweepState
+
+    state = SweepState.load(directory)
+    trials, _ = load_results(directory)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pareto.png"
+        plot_fronts_png(trials, state.objectives, path, f"sweep {state.name}: fronts on validation")
+        return path.read_bytes()
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def build_report(
+    title: str,
+    records: Sequence[RunRecord],
+    *,
+    method_order: Sequence[str] | None = None,
+    settings: Sequence[str] = (),
+    method_configs: dict[str, dict[str, Any]] | None = None,
+    sweeps: Sequence[Path] = (),
+    failed: dict[str, str] | None = None,
+) -> Report:
+    """Aggregate ``records`` and lay out the report (figures rendered to PNG here).
+
+    ``method_configs`` maps a method to one of its run configs (its hyper-parameters) and,
+    under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines.
+    """
+    methods = list(method_order or dict.fromkeys(r.method for r in records))
+    table = aggregate(records, methods)
+    verdict = verdict_lines(table) if not table.empty else ["no run finished"]
+    report = Report(title, [], table, records_frame(records), verdict)
+    blocks = report.blocks
+    if settings:
+        blocks.append(Bullets(list(settings)))
+    blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
+    blocks += [Heading("Results (mean ± std over seeds)")]
+    blocks += [TableBlock(*results_rows(table)), Paragraph(TEMPERATURE_NOTE)]
+    if failed:
+        blocks += [
+            Paragraph(f"{len(failed)} run(s) failed and are not in the table:"),
+            Bullets([f"`{key}`: {message}" for key, message in failed.items()]),
+        ]
+    if table.empty:
+        return report
+
+    report.figures["metrics_vs_epsilon.png"] = _png(plot_metric_curves(table, methods))
+    blocks += [
+        Heading("Metrics versus epsilon"),
+        Images(["metrics_vs_epsilon.png"], "Mean over seeds, error bars one std; inf: no noise."),
+    ]
+
+    blocks.append(Heading("Reliability diagrams (test, seeds pooled)"))
+    finite = sorted({r.epsilon for r in records if math.isfinite(r.epsilon)})
+    for eps in sorted({finite[0], finite[-1]}) if finite else []:
+        names = []
+        for method in methods:
+            diagrams = [
+                r.reliability
+                for r in records
+                if r.method == method and r.epsilon == eps and r.reliability is not None
+            ]
+            if not diagrams:
+                continue
+            name = f"reliability_{method}_eps{eps:g}.png"
+            title_text = f"{method}, epsilon {eps:g} ({len(diagrams)} seeds)"
+            figure = plot_reliability_diagram(pooled_reliability(diagrams), title_text)
+            report.figures[name] = _png(figure)
+            names.append(name)
+        if names:
+            blocks.append(Images(names, f"epsilon {eps:g}"))
+
+    blocks.append(Heading("Curvature-collapse diagnostics over training"))
+    figure = plot_diagnostics(records, methods)
+    if figure is None:
+        blocks.append(Paragraph("No run logged curvature diagnostics (no IVON-family method)."))
+    else:
+        report.figures["diagnostics.png"] = _png(figure)
+        with_diagnostics = sorted({r.method for r in records if r.history})
+        blocks.append(
+            Images(
+                ["diagnostics.png"],
+                "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
+                "seeds; methods without them ("
+                + ", ".join(m for m in methods if m not in with_diagnostics)
+                + ") are not drawn.",
+            )
+        )
+
+    if sweeps:
+        blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
+        for directory in sweeps:
+            name = f"pareto_{directory.name}.png"
+            report.figures[name] = _pareto_png(directory)
+            blocks.append(Images([name], f"sweep {directory.name}"))
+
+    if method_configs:
+        header = ["method", "optimizer", "hyper-parameters", "tuned by"]
+        rows = []
+        for method in methods:
+            config = method_configs.get(method)
+            if config is None:
+                continue
+            shown = ", ".join(
+                f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
+            )
+            tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
+            rows.append([method, str(config["optimizer"]), shown, tuned_by])
+        blocks += [Heading("Methods"), TableBlock(header, rows)]
+    return report
+
+
+def write_report(report: Report, directory: Path) -> list[Path]:
+    """report.md, report.html, the figures and the two CSV tables under ``directory``."""
+    figures = directory / FIGURES
+    figures.mkdir(parents=True, exist_ok=True)
+    (directory / REPORT_MD).write_text(report.markdown())
+    (directory / REPORT_HTML).write_text(report.html())
+    report.table.to_csv(directory / RESULTS_CSV, index=False)
+    report.runs.to_csv(directory / RUNS_CSV, index=False)
+    written = [directory / name for name in (REPORT_MD, REPORT_HTML, RESULTS_CSV, RUNS_CSV)]
+    for name, data in report.figures.items():
+        (figures / name).write_bytes(data)
+        written.append(figures / name)
+    return written
+
+
+def log_report(tracker: Tracker, run_id: str, report: Report, files: Sequence[Path]) -> None:
+    """The report's files under ``report/``, the aggregated means as metrics, and the table
+    with the verdict as the run's description."""
+    for path in files:
+        sub = f"report/{FIGURES}" if path.parent.name == FIGURES else "report"
+        tracker.log_artifact(run_id, path, sub)
+    metrics = {}
+    for _, row in report.table.iterrows():
+        for metric in ("test_accuracy", "test_nll", "test_ece", "test_ts_ece"):
+            value = row[f"{metric}_mean"]
+            metrics[f"{metric}.eps{epsilon_label(row['epsilon'])}.{row['method']}"] = value
+    tracker.log_metrics(run_id, metrics)
+    tracker.set_tags(run_id, {"mlflow.note.content": report.note()})

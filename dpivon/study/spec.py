@@ -1,0 +1,411 @@
+"""Benchmark pipelines: methods x epsilons x seeds, each trained once and tested once.
+
+Format (every key but ``name``, ``epsilons``, ``seeds`` and ``methods`` has the default
+shown)::
+
+    name: benchmark-quick            # [a-z0-9_-]+; the state folder and the resume key
+    data: {dataset: cifar10, per_class: 400, val_size: 1000}   # as in a sweep pipeline
+    model: small-cnn                 # default tanh-cnn
+    epochs: 4                        # default 10
+    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped)
+    seeds: [0, 1, 2]                 # >= 3 distinct replicates (the report's spread)
+    split_seed: 0                    # the train/validation split, shared by every run
+    delta: 1.0e-5
+    accountant: rdp
+    methods:                         # distinct names; a name labels tables and plots
+      - {name: dp-sgd, optimizer: dp-sgd, train: {lr: 2.0, batch_size: 128}}
+      - {name: dp-ivon-ema, optimizer: dp-ivon-gradsq,
+         train: {curvature_estimator: ema-corrected, lr: 5.0}}
+      - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee}
+    concurrency: 2                   # runs in flight at once, >= 1
+    resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
+    run_timeout_s: 21600             # a run still going after this is cancelled, failed
+    tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: dpivon-benchmark-quick   # default "dpivon-" + name
+    storage_path: dpivon-runs        # the state folder <storage_path>/<name>/ and the report
+    train: {bma_samples: 8}          # more fixed TrainConfig keys for every run
+
+A method with ``from_sweep`` (a sweep folder, pipeline file or name, as ``dpivon export``
+takes) trains, at each epsilon, the configuration that sweep's ``pick`` chose from its
+Pareto front of (optimizer, epsilon), via `dpivon.search.export`; the benchmark's data,
+model, epochs, privacy settings and seed replace the sweep's, ``train`` keys go on top.
+Every tuned method must come from sweeps that ran the same number of trials per group:
+a method tuned with more trials would win by budget, not by merit.
+
+Each run's training seed is derived from (seed, method, epsilon), so no two runs share DP
+noise; the split is shared, so the seeds' spread is that of training (initialisation,
+batches, noise, posterior draws), not of the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dpivon.config import (
+    OPTIMIZER_NAMES,
+    TrainConfig,
+    format_validation_error,
+    parse_config,
+    read_yaml_mapping,
+)
+from dpivon.errors import DpivonError
+from dpivon.search.pipeline import _PIPELINE_KEYS, SYNTHETIC_DEFAULT_SIZE, DataSpec, Resources
+from dpivon.search.space import Float, Int, numeric
+from dpivon.search.trial import trial_seed
+
+MIN_SEEDS = 3
+PICKS = ("knee", "max-accuracy", "min-ece")
+_NAME = re.compile(r"[a-z0-9_-]+")
+_METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+def _as_list(value: Any) -> Any:
+    return value if isinstance(value, list) else [value]
+
+
+def _check_train_extras(train: Any) -> Any:
+    """``train:`` may hold TrainConfig fields the benchmark does not set itself."""
+    if train is None:
+        return {}
+    if not isinstance(train, dict):
+        return train  # the dict type check reports it
+    for key in train:
+        if key in _PIPELINE_KEYS:
+            raise ValueError(
+                f"{key} is a benchmark setting, not a train extra; set it with the "
+                "benchmark's own key (data:, model:, epochs:, epsilons:, seeds:, ...)"
+            )
+        if key not in TrainConfig.model_fields:
+            raise ValueError(f"{key!r} is not a TrainConfig field; check the spelling")
+    return {str(k): numeric(v) for k, v in train.items()}
+
+
+TrainExtras = Annotated[dict[str, Any], BeforeValidator(_check_train_extras)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Method(_Strict):
+    """One compared method: an optimizer with fixed settings, or a sweep's pick."""
+
+    name: str
+    optimizer: str
+    from_sweep: str | None = None
+    pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
+    train: TrainExtras = {}
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _METHOD_NAME.fullmatch(name):
+            raise ValueError(f"method name {name!r}: use letters, digits and _ . + -")
+        return name
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in OPTIMIZER_NAMES:
+            raise ValueError(
+                f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
+            )
+        return name
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of the benchmark; ``key`` identifies it across resumes."""
+
+    method: str
+    epsilon: float
+    replicate: int
+    config: TrainConfig
+    tuned_by: str | None = None  # "<sweep>/<group>/<trial id>" for from_sweep methods
+
+    @property
+    def key(self) -> str:
+        return run_key(self.method, self.epsilon, self.replicate)
+
+    @property
+    def config_json(self) -> str:
+        return json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+
+
+def run_key(method: str, epsilon: float, replicate: int) -> str:
+    return f"{method}|eps{epsilon:g}|seed{replicate}"
+
+
+class BenchmarkPipeline(_Strict):
+    """A validated benchmark pipeline; build it with :func:`load_benchmark`."""
+
+    name: str
+    data: DataSpec = DataSpec()
+    model: str = TrainConfig.model_fields["model"].default
+    epochs: Int = Field(TrainConfig.model_fields["epochs"].default, ge=1)
+    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
+    seeds: Annotated[list[Int], BeforeValidator(_as_list)]
+    split_seed: Int = Field(0, ge=0)
+    delta: Float = TrainConfig.model_fields["delta"].default
+    accountant: Literal["rdp", "prv"] = "rdp"
+    methods: list[Method] = Field(min_length=1)
+    concurrency: Int = Field(2, ge=1)
+    resources: Resources = Resources()
+    run_timeout_s: Float = Field(6 * 3600.0, gt=0)
+    tracking_uri: str | None = None
+    experiment: str = ""
+    storage_path: str = Field("dpivon-runs", min_length=1)
+    train: TrainExtras = {}
+
+    _path: Path | None = PrivateAttr(None)
+    _source_text: str = PrivateAttr("")
+    _runs: list[RunSpec] = PrivateAttr(default_factory=list)
+    _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_experiment(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("experiment") is None:
+            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a valid benchmark name; use lowercase letters, digits, - and _"
+            )
+        return name
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, model: str) -> str:
+        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
+
+        if model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        return model
+
+    @field_validator("epsilons")
+    @classmethod
+    def _check_epsilons(cls, epsilons: list[float]) -> list[float]:
+        for eps in epsilons:
+            if not eps > 0:  # also rejects nan
+                raise ValueError(f"every epsilon must be > 0 (.inf = no noise), got {eps}")
+        if len(set(epsilons)) != len(epsilons):
+            raise ValueError(f"epsilons must be distinct, got {epsilons}")
+        return epsilons
+
+    @field_validator("seeds")
+    @classmethod
+    def _check_seeds(cls, seeds: list[int]) -> list[int]:
+        if len(seeds) < MIN_SEEDS:
+            raise ValueError(
+                f"give at least {MIN_SEEDS} seeds (the report states the spread over seeds), "
+                f"got {len(seeds)}"
+            )
+        if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ValueError(f"seeds must be distinct and >= 0, got {seeds}")
+        return seeds
+
+    @field_validator("delta")
+    @classmethod
+    def _check_delta(cls, delta: float) -> float:
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}")
+        return delta
+
+    @field_validator("methods")
+    @classmethod
+    def _check_methods(cls, methods: list[Method]) -> list[Method]:
+        names = [m.name for m in methods]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"method name {', '.join(twice)} used more than once; rename one")
+        return methods
+
+    @field_validator("experiment")
+    @classmethod
+    def _check_experiment(cls, experiment: str) -> str:
+        if not experiment.strip():
+            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
+        return experiment
+
+    # -- the API -------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    @property
+    def source_text(self) -> str:
+        return self._source_text
+
+    @property
+    def runs(self) -> list[RunSpec]:
+        """Every run, method-major then epsilon then seed (the submission order)."""
+        return list(self._runs)
+
+    @property
+    def method_names(self) -> list[str]:
+        return [m.name for m in self.methods]
+
+    @property
+    def epsilon_list(self) -> list[float]:
+        return [float(e) for e in self.epsilons]
+
+    @property
+    def tuning_trials(self) -> dict[tuple[str, float], int]:
+        """(method, epsilon) -> trials its sweep group ran, for from_sweep methods."""
+        return dict(self._tuning_trials)
+
+    @property
+    def sweep_directories(self) -> list[Path]:
+        """The distinct sweeps the tuned methods come from (for the Pareto fronts)."""
+        from dpivon.search.export import resolve_sweep
+
+        found = [resolve_sweep(m.from_sweep) for m in self.methods if m.from_sweep]
+        return list(dict.fromkeys(p.resolve() for p in found))
+
+    @property
+    def directory(self) -> Path:
+        """``<storage_path>/<name>``: the state file and the report."""
+        return Path(self.storage_path).expanduser().resolve() / self.name
+
+    def base_config(self, method: Method, epsilon: float, replicate: int) -> dict[str, Any]:
+        """The TrainConfig keys the benchmark sets for one run (before a sweep's pick)."""
+        config: dict[str, Any] = {
+            "optimizer": method.optimizer,
+            "dataset": self.data.dataset,
+            "data_path": self.data.data_path,
+            "val_size": self.data.val_size,
+            "per_class": self.data.per_class,
+        }
+        config.update(
+            # set even for cifar10, so that a sweep's pick cannot bring its own
+            synthetic_size=self.data.synthetic_size or SYNTHETIC_DEFAULT_SIZE,
+            model=self.model,
+            epochs=self.epochs,
+            epsilon=float(epsilon),
+            delta=self.delta,
+            accountant=self.accountant,
+            data_seed=self.split_seed,
+            seed=trial_seed(replicate, f"{method.name}@{epsilon!r}"),
+            # research runs, reproducible by seed; a release would use secure mode
+            secure_mode=False,
+            fail_at_epoch=None,
+        )
+        return config
+
+
+def _tuned_configs(
+    method: Method, epsilons: list[float], where: str
+) -> tuple[dict[float, tuple[dict[str, Any], str]], dict[float, int]]:
+    """Per epsilon: (the sweep's picked config as a mapping, its provenance) and the number
+    of trials its group ran."""
+    from dpivon.search.export import export_configs, load_results, resolve_sweep
+    from dpivon.search.sweep import SweepState, group_name
+
+    prefix = f"invalid {where}: method {method.name} (from_sweep {method.from_sweep})"
+    try:
+        directory = resolve_sweep(method.from_sweep)
+        objectives = SweepState.load(directory).objectives
+        trials, _ = load_results(directory)
+    except DpivonError as err:
+        raise DpivonError(f"{prefix}: {err}") from None
+    picked, budgets = {}, {}
+    for eps in epsilons:
+        group = group_name(method.optimizer, eps)
+        try:
+            ((row, config),) = export_configs(
+                directory,
+                objectives,
+                method.pick,
+                optimizer=method.optimizer,
+                epsilon=eps,
+                full_data=False,
+                secure_mode=False,
+            )
+        except DpivonError as err:
+            raise DpivonError(f"{prefix}: group {group}: {err}") from None
+        picked[eps] = (config.model_dump(), f"{directory.name}/{group}/{row['trial_id']}")
+        budgets[eps] = int(
+            ((trials["optimizer"] == method.optimizer) & (trials["epsilon"] == eps)).sum()
+        )
+    return picked, budgets
+
+
+def _check_equal_budgets(budgets: dict[tuple[str, float], int], where: str) -> None:
+    for eps in {e for _, e in budgets}:
+        at = {m: n for (m, e), n in budgets.items() if e == eps}
+        if len(set(at.values())) > 1:
+            shown = ", ".join(f"{m} {n}" for m, n in at.items())
+            raise DpivonError(
+                f"invalid {where}: at epsilon {eps:g} the tuned methods come from sweeps with "
+                f"different trial budgets ({shown} trials); tune every method with the same "
+                "trials and trial_count: fixed"
+            )
+
+
+def load_benchmark(path: str | Path) -> BenchmarkPipeline:
+    """Read and validate a benchmark YAML file, resolving every run's TrainConfig."""
+    path = Path(path)
+    data = read_yaml_mapping(path)
+    where = f"benchmark {path}"
+    try:
+        pipeline = BenchmarkPipeline.model_validate(data)
+    except ValidationError as err:
+        raise DpivonError(f"invalid {where}: {format_validation_error(err)}") from None
+    pipeline._path = path
+    pipeline._source_text = path.read_text()
+
+    runs: list[RunSpec] = []
+    budgets: dict[tuple[str, float], int] = {}
+    for method in pipeline.methods:
+        tuned: dict[float, tuple[dict[str, Any], str]] = {}
+        if method.from_sweep is not None:
+            tuned, counts = _tuned_configs(method, pipeline.epsilon_list, where)
+            budgets.update({(method.name, eps): n for eps, n in counts.items()})
+        for eps in pipeline.epsilon_list:
+            picked, tuned_by = tuned.get(eps, ({}, None))
+            for replicate in pipeline.seeds:
+                keys = {
+                    **picked,
+                    **pipeline.base_config(method, eps, replicate),
+                    **pipeline.train,
+                    **method.train,
+                }
+                source = f"{where}: method {method.name} at epsilon {eps:g}"
+                config = parse_config(keys, source=source)
+                if config.batch_size > pipeline.data.train_size:
+                    raise DpivonError(
+                        f"invalid {source}: batch_size {config.batch_size} exceeds the "
+                        f"{pipeline.data.train_size} training images; lower it"
+                    )
+                runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
+    _check_equal_budgets(budgets, where)
+    pipeline._runs = runs
+    pipeline._tuning_trials = budgets
+    return pipeline
+
+
+def epsilon_label(epsilon: float) -> str:
+    """``inf`` reads as no noise; a finite epsilon as itself."""
+    return "inf (no noise)" if math.isinf(epsilon) else f"{epsilon:g}"
