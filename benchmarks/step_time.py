@@ -13,12 +13,13 @@ CPU the peak resident set size, sampled every millisecond by a thread, minus the
 the step (after ``malloc_trim`` has returned freed heap memory to the system), one separate
 step per configuration. tracemalloc does not see torch's allocations.
 
-One epoch end to end (``--epoch-size``): `dpivon.training.train` for one epoch, including
-the data loading and the validation and test evaluation (BMA for the IVON family).
+One epoch end to end (``--epoch-dataset``): `dpivon.training.train` for one epoch,
+including the data loading and the validation and test evaluation (BMA for the IVON
+family), with the default engine.
 
     python benchmarks/step_time.py --models tanh-cnn --batch-sizes 256      # CPU, minutes
     python benchmarks/step_time.py --optimizers dp-ivon-gradsq dp-adam --engines bk hooks
-    python benchmarks/step_time.py --json results.json --epoch-size 50000 --dataset cifar10
+    python benchmarks/step_time.py --json results.json --epoch-dataset cifar10  # GPU
 """
 
 from __future__ import annotations
@@ -111,13 +112,19 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_step(run: Run) -> float:
-    """Milliseconds of one train_step (batch drawn before the clock starts)."""
+    """Milliseconds of one train_step (batch drawn before the clock starts).
+
+    Afterwards the gradients are released: a per-sample engine would otherwise hold its
+    per-sample gradients until its next step, and all configurations share the memory.
+    """
     x, y = next(run.batches)
     synchronize(run.device)
     start = time.perf_counter()
     train_step(run.setup, x, y, run.config.mc_samples)
     synchronize(run.device)
-    return (time.perf_counter() - start) * 1000
+    elapsed = (time.perf_counter() - start) * 1000
+    run.setup.optimizer.zero_grad()
+    return elapsed
 
 
 class PeakRss:
@@ -227,7 +234,7 @@ def measure_epochs(args: argparse.Namespace, model: str, device) -> list[Row]:
     results = {}
     for optimizer in (BASELINE, *args.epoch_optimizers):
         fields = {
-            "dataset": args.dataset,
+            "dataset": args.epoch_dataset,
             "data_path": args.data_path,
             "model": model,
             "optimizer": optimizer,
@@ -235,8 +242,8 @@ def measure_epochs(args: argparse.Namespace, model: str, device) -> list[Row]:
             "epochs": 1,
             "device": str(device),
         }
-        if args.dataset == "synthetic":
-            fields["synthetic_size"] = args.epoch_size
+        if args.epoch_dataset == "synthetic":
+            fields["synthetic_size"] = args.epoch_size or 2000
         elif args.epoch_size:
             fields["per_class"] = args.epoch_size // 10
         config = parse_config(fields)
@@ -318,10 +325,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--epoch-size", type=int, default=0, help="0: no epoch measurement")
+    parser.add_argument("--epoch-dataset", choices=["synthetic", "cifar10"], help="time an epoch")
+    parser.add_argument(
+        "--epoch-size", type=int, default=0, help="training images (0: all; synthetic 2000)"
+    )
     parser.add_argument("--epoch-batch-size", type=int, default=256)
     parser.add_argument("--epoch-optimizers", nargs="+", default=["dp-ivon-gradsq", "dp-adam"])
-    parser.add_argument("--dataset", default="synthetic", help="for the epochs: or cifar10")
     parser.add_argument("--data-path", default=None, help="CIFAR-10 (else $DPIVON_DATA)")
     args = parser.parse_args()
     device = resolve_device(args.device)
@@ -333,7 +342,7 @@ def main() -> None:
             group = measure_steps(args, model, batch_size, device)
             print_step_tables(group, console)
             rows += group
-    if args.epoch_size:
+    if args.epoch_dataset:
         epochs = [row for model in args.models for row in measure_epochs(args, model, device)]
         print_epoch_table(epochs, console)
         rows += epochs

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -56,6 +57,23 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 
 Opt = Annotated
+
+
+def check_outputs(json_path: Path | None, experiment: str) -> None:
+    """Outputs that would fail only after a long run fail now: an unwritable --json path,
+    an empty experiment name."""
+    if not experiment.strip():
+        raise DpivonError("--experiment must not be empty")
+    if json_path is None:
+        return
+    try:
+        if json_path.is_dir():
+            raise IsADirectoryError(f"{json_path} is a folder")
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=json_path.parent):
+            pass
+    except OSError as err:
+        raise DpivonError(f"cannot write --json {json_path}: {err}") from None
 
 
 @app.callback()
@@ -147,9 +165,10 @@ def train(
     for cfg in configs:
         if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
             console.print(f"[yellow]note:[/] {cfg.optimizer} is not private: --epsilon is ignored")
+    check_outputs(json_path, experiment)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     tracker = Tracker(tracking_uri, experiment)
-    console.print(f"tracking to {tracker.tracking_uri} (experiment {experiment!r})")
+    console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
         name = f"{cfg.optimizer}-eps{cfg.epsilon:g}"
@@ -232,7 +251,7 @@ def sweep(
 @user_errors
 def benchmark(
     pipeline: Opt[
-        Path, typer.Argument(help="benchmark YAML, e.g. pipelines/benchmark-quick.yaml")
+        Path, typer.Argument(help="benchmark YAML, e.g. pipelines/benchmark-cifar10-4k.yaml")
     ],
     resume: Opt[bool, typer.Option(help="skip runs MLflow records as completed")] = False,
     address: Opt[
@@ -415,8 +434,9 @@ def audit(
             device=device,
         )
     )
+    check_outputs(json_path, experiment)
     tracker = Tracker(tracking_uri, experiment)
-    console.print(f"tracking to {tracker.tracking_uri} (experiment {experiment!r})")
+    console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     name = f"audit-{optimizer}-eps{cfg.epsilon:g}"
     with tracker.run(name, tags={"dpivon.kind": "audit"}) as run_id:
         tracker.log_params(

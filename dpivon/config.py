@@ -7,6 +7,7 @@ config is complete: re-running it never depends on a default that might change.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +61,9 @@ _OPTIMIZER_SPECIFIC = (
     "hess_floor",
     "second_moment_floor",
 )
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
 
 class TuningCost(BaseModel):
@@ -180,6 +184,21 @@ class TrainConfig(BaseModel):
                 filled[key] = value
         return filled
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """YAML reads `yes` as true, which pydantic would take as the number 1."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                wants_bool = field is not None and field.annotation in (bool, bool | None)
+                if isinstance(value, bool) and field is not None and not wants_bool:
+                    raise ValueError(
+                        f"{key} takes no boolean, got {value!r} (YAML reads yes/no/on/off "
+                        "as booleans; write the value itself)"
+                    )
+        return data
+
     @model_validator(mode="after")
     def _check_ranges(self) -> TrainConfig:
         checks = [
@@ -198,6 +217,18 @@ class TrainConfig(BaseModel):
             (self.hess_init is None or self.hess_init > 0, "hess_init must be > 0"),
             (self.beta2 is None or 0 <= self.beta2 < 1, "beta2 must be in [0, 1)"),
             (self.ess is None or self.ess > 0, "ess must be > 0"),
+            (
+                self.weight_decay is None or self.weight_decay >= 0,
+                f"weight_decay must be >= 0, got {self.weight_decay}",
+            ),
+            (
+                self.momentum is None or 0 <= self.momentum < 1,
+                f"momentum must be in [0, 1), got {self.momentum}",
+            ),
+            (
+                _DEVICE.fullmatch(self.device) is not None,
+                f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+            ),
             (
                 self.curvature_ema is None or 0 <= self.curvature_ema < 1,
                 "curvature_ema must be in [0, 1)",

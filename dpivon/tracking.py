@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -46,6 +47,19 @@ def resolve_tracking_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
+REDACTED = "***"
+
+
+def redact_uri(uri: str) -> str:
+    """The URI with any password replaced by ``***``: what consoles, state files and
+    tags may show (``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``)."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:{REDACTED}@{host}"))
+
+
 def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, with one line, when an HTTP tracking server does not answer."""
     if not uri.startswith(("http://", "https://")):
@@ -56,7 +70,7 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         raise DpivonError(
-            f"cannot reach the MLflow tracking server at {uri} ({reason}); start it "
+            f"cannot reach the MLflow tracking server at {redact_uri(uri)} ({reason}); start it "
             "(mlflow server ...) or pass --tracking-uri sqlite:///mlflow.db"
         ) from None
 
@@ -78,6 +92,7 @@ class Tracker:
         check_tracking_server(self.tracking_uri)
         mlflow.set_tracking_uri(self.tracking_uri)
         self.client = MlflowClient(self.tracking_uri)
+        self.display_uri = redact_uri(self.tracking_uri)
         self.experiment_name = experiment
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = (

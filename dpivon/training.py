@@ -109,11 +109,26 @@ class TrainResult:
 
 
     def tuning_summary(self) -> dict[str, float | str]:
-        """For a config chosen by a sweep: the tuning epsilon and its composition with this
-        run, which is what covers the released model (both used the same records)."""
+        """What this run's epsilon covers; for a config chosen by a sweep also the tuning
+        epsilon and its composition with this run, which covers the released model (both
+        used the same records)."""
         tuning, plan = self.config.tuning, self.privacy
-        if tuning is None or plan is None:
+        if plan is None:
             return {}
+        if tuning is None:
+            validation = (
+                "validation scores are noised (validation records covered too)"
+                if self.config.val_noise_multiplier > 0
+                else "the validation scores are exact (validation records unprotected)"
+            )
+            return {
+                "epsilon_covers": (
+                    "epsilon_spent covers the model (mean and posterior) and the DP "
+                    "diagnostics of this run for the training records (add or remove one), "
+                    "if its hyper-parameters were chosen without those records; the training "
+                    f"loss is not covered and {validation}"
+                )
+            }
         production = TrialMechanism(plan.noise_multiplier, plan.sample_rate, self.steps)
         return {
             "tuning_epsilon": tuning.quoted_epsilon,

@@ -16,8 +16,14 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import parse_config
 from dpivon.errors import DpivonError
+from dpivon.evaluation import Posterior, posterior_draws, predict_bma, predict_probs
 from dpivon.models import build_model
-from dpivon.privacy.bookkeeping import BookKeeping, BookKeepingLoss, prefer_ghost_norm
+from dpivon.privacy.bookkeeping import (
+    BookKeeping,
+    BookKeepingLoss,
+    conv_patch_gram,
+    prefer_ghost_norm,
+)
 from dpivon.privacy.engine import make_private, plan_privacy, resolve_engine
 from dpivon.search.space import load_search_space
 from dpivon.training import build_training, load_data, resolve_device, train, train_step
@@ -158,7 +164,7 @@ def test_layers_an_engine_cannot_handle_are_named():
         resolve_engine("bk", grouped)
     batch_norm = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     for engine in ("auto", "bk", "hooks", "ghost"):
-        with pytest.raises(DpivonError, match="BatchNorm"):
+        with pytest.raises(DpivonError, match=r"1 \(BatchNorm2d: BatchNorm cannot"):
             resolve_engine(engine, batch_norm)
     with pytest.raises(DpivonError, match="unknown engine 'fast'"):
         resolve_engine("fast", model)
@@ -212,6 +218,42 @@ def test_space_time_rule_matches_the_brief():
     outs = [32, 32, 64, 64, 128, 128]
     ghost = [prefer_ghost_norm(s * s, p, c * 9) for (s, c), p in zip(convs, outs, strict=True)]
     assert ghost == [False, False, False, False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("size", "kernel", "stride", "padding", "dilation"),
+    [(9, 3, 1, 1, 1), (10, 3, 2, 1, 1), (11, 3, 1, 2, 2), (8, 1, 2, 0, 1), (40, 5, 2, 2, 1)],
+)
+def test_patch_gram_is_the_gram_of_the_unfolded_input(size, kernel, stride, padding, dilation):
+    """Both paths (unfolding, and shifted views of the padded input's Gram) are exact."""
+    conv = nn.Conv2d(2, 3, kernel, stride=stride, padding=padding, dilation=dilation)
+    a = torch.randn(3, 2, size, size, dtype=torch.float64)
+    u = nn.functional.unfold(a, kernel, dilation, padding, stride)
+    torch.testing.assert_close(conv_patch_gram(a, conv), u.transpose(1, 2) @ u)
+
+
+def test_bma_is_one_forward_pass_per_sample_and_the_same_draws():
+    torch.manual_seed(0)
+    model = build_model("small-cnn")
+    hess = {name: torch.rand_like(p) for name, p in model.named_parameters()}
+    posterior = Posterior(hess, ess=500.0, weight_decay=1e-4)
+    images = torch.randn(50, 3, 32, 32)
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    bma = predict_bma(
+        model, posterior, images, 3, generator=torch.Generator().manual_seed(1), batch_size=20
+    )
+    handle.remove()
+    assert len(calls) == 3 * 3  # 3 draws x 3 batches, no other forward
+    with posterior_draws(model, posterior, torch.Generator().manual_seed(1)) as draw:
+        by_hand = []
+        for _ in range(3):
+            draw()
+            by_hand.append(predict_probs(model, images, batch_size=20))
+    torch.testing.assert_close(bma, (by_hand[0] + by_hand[1] + by_hand[2]) / 3, rtol=0, atol=0)
+    mean = predict_probs(model, images)
+    assert not torch.equal(mean, bma)  # the parameters are the mean again after the draws
+    torch.testing.assert_close(predict_probs(model, images), mean, rtol=0, atol=0)
 
 
 def test_a_search_space_can_choose_the_engine(tmp_path):

@@ -240,7 +240,7 @@ def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_sampl
             for _ in range(mc_samples):
                 with optimizer.sampled_params(train=True):
                     private.optimizer.zero_grad()
-                    F.cross_entropy(private.module(xb), yb).backward()
+                    private.criterion(private.module(xb), yb).backward()
             private.optimizer.step()
     assert private.steps_taken == plan.steps
     spent = private.epsilon_spent()

@@ -25,7 +25,11 @@ from dpivon.search.space import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
-PIPELINE_FILES = sorted((ROOT / "pipelines").glob("*.yaml"))
+# Sweep pipelines; benchmark-*.yaml are `dpivon benchmark` pipelines (their own test below).
+PIPELINE_FILES = sorted(
+    p for p in (ROOT / "pipelines").glob("*.yaml") if not p.name.startswith("benchmark-")
+)
+BENCHMARK_FILES = sorted((ROOT / "pipelines").glob("benchmark-*.yaml"))
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -715,3 +719,10 @@ def test_train_config_fields_used_by_pipelines_exist():
 
     fields = set(TrainConfig.model_fields)
     assert set(PIPELINE_OWNED_FIELDS) <= fields and set(_PIPELINE_KEYS) <= fields
+
+
+@pytest.mark.parametrize("path", BENCHMARK_FILES, ids=lambda p: p.name)
+def test_shipped_benchmark_pipelines_load(path):
+    from dpivon.study.spec import load_benchmark
+
+    assert load_benchmark(path).name

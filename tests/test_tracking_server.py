@@ -110,3 +110,33 @@ def test_train_and_sweep_against_a_tracking_server(mlflow_server, tmp_path, monk
                                              client.list_artifacts(parents[0].info.run_id)}
     # Nothing went to a local SQLite store on the way.
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_no_credentials_in_output_state_or_store(postgres, tmp_path):
+    """A password in the tracking URI reaches neither the console, nor the sweep's state
+    and Tune files, nor the runs' params and tags (PostgreSQL trusts loopback here, so the
+    password is accepted and ignored)."""
+    secret = "hunter2-not-for-logs"
+    port = postgres.rsplit(":", 1)[1].split("/")[0]
+    # A database of its own: the server fixture's one keeps mlflow-artifacts: locations.
+    subprocess.run([PG_BIN / "createdb", "-h", "127.0.0.1", "-p", port, "-U", "postgres",
+                    "secrets"], check=True, capture_output=True)
+    uri = postgres.replace("postgres@", f"postgres:{secret}@", 1).rsplit("/", 1)[0] + "/secrets"
+    path = write_pipeline(tmp_path, name="secret", trials=1, scheduler={"type": "none"},
+                          optimizers=[{"name": "dp-sgd", "space": str(
+                              REPO / "search_spaces/quickstart/dp-sgd.yaml")}])
+    sweep = subprocess.run(
+        [sys.executable, "-m", "dpivon.cli", "sweep", str(path), "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    assert secret not in sweep.stdout + sweep.stderr
+    assert "postgres:***@" in sweep.stderr  # the URI is shown, redacted
+    for file in (tmp_path / "runs").rglob("*"):
+        if file.is_file():
+            assert secret.encode() not in file.read_bytes(), file
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("dpivon-smoke").experiment_id])
+    assert len(runs) == 2
+    for run in runs:
+        assert secret not in repr((run.data.params, run.data.tags, run.data.metrics))

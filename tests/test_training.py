@@ -88,9 +88,10 @@ def test_cli_trains_every_optimizer(tmp_path, optimizer):
     assert summary["optimizer"] == optimizer
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(summary["mlflow_run_id"])
-    # Values, not ranges: accuracy is a count over the 120 synthetic test images, and what
+    # Values, not ranges: accuracy is a count over the synthetic test images, and what
     # MLflow holds is what the run printed.
-    correct = summary["test_accuracy"] * 120
+    n_test = len(load_data(parse_config({"dataset": "synthetic"})).test)
+    correct = summary["test_accuracy"] * n_test
     assert correct == pytest.approx(round(correct), abs=1e-6)
     for key in ("test_accuracy", "test_ece", "test_nll", "test_brier"):
         assert run.data.metrics[key] == pytest.approx(summary[key], rel=1e-12)
@@ -188,6 +189,11 @@ def _bad_layout(tmp_path):
         (["--optimizer", "dp-lion"], "unknown optimizer 'dp-lion'"),
         (["--model", "resnet-9000"], "unknown model 'resnet-9000'"),
         (["--epsilon", "1e-9", "--epochs", "50"], "cannot be met"),
+        (["--device", "tpu"], "device must be auto, cpu, cuda"),
+        (["--seed", "-1"], "seed must be in [0, 2**32)"),
+        (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
+        (["--experiment", " "], "--experiment must not be empty"),
+        (["--json", "/proc/dpivon.json"], "cannot write --json"),
     ],
 )
 def test_bad_input_gives_one_clear_line(tmp_path, args, message):
@@ -204,6 +210,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
         ({"optimizer": "dp-sgd", "learning_rate": 0.1}, "learning_rate: unknown key"),
         ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: Input should be a valid number"),
         ({"optimizer": "dp-sgd", "epochs": [1, 2]}, "epochs"),
+        ({"optimizer": "dp-sgd", "epsilon": True}, "epsilon takes no boolean"),
     ],
 )
 def test_bad_yaml_config(tmp_path, config, message):

@@ -49,8 +49,10 @@ from dpivon.errors import DpivonError
 
 # The clipped sum of one parameter as a function of the clip factors c (shape (B,)).
 WeightedSum = Callable[[Tensor], Tensor]
-# Bound on the transient elements of one chunk of ghost-norm Gram matrices (64 MB in fp32).
-_GRAM_CHUNK_ELEMENTS = 1 << 24
+# Per-example tensors (Gram matrices, per-example gradients) are made for chunks of
+# examples of at most this many elements (64 MB in fp32): their kernels' transient buffers
+# then stay small next to the activations, also at batch sizes in the thousands.
+_CHUNK_ELEMENTS = 1 << 24
 
 
 # --- the math, one pure function per quantity ---------------------------------------------
@@ -70,6 +72,18 @@ def clip_factors(squared_norms: Tensor, max_grad_norm: float) -> Tensor:
 def weighted_row_sum(per_example: Tensor, clip: Tensor) -> Tensor:
     """sum_i c_i g_i for per-example gradients stacked along dim 0 (a vector-matrix product)."""
     return (clip.to(per_example.dtype) @ per_example.flatten(1)).view(per_example.shape[1:])
+
+
+def weighted_chunks_sum(chunks: list[Tensor], clip: Tensor) -> Tensor:
+    """`weighted_row_sum` of per-example gradients kept in consecutive chunks of examples."""
+    factors = clip.split([len(rows) for rows in chunks])
+    return sum(weighted_row_sum(rows, c) for rows, c in zip(chunks, factors, strict=True))
+
+
+def example_chunks(elements_per_example: int, *tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
+    """Consecutive chunks of examples of the tensors, sized by ``_CHUNK_ELEMENTS``."""
+    size = max(1, _CHUNK_ELEMENTS // max(elements_per_example, 1))
+    return zip(*(t.split(size) for t in tensors), strict=True)
 
 
 def row_squared_norms(per_example: Tensor) -> Tensor:
@@ -101,28 +115,38 @@ def conv_patch_gram(a: Tensor, conv: nn.Conv2d) -> Tensor:
 
     Unfolding copies each input value k_h k_w times. Where it is cheaper, the Gram comes
     from the padded input instead: with M = A_pad^T A_pad over padded positions,
-    (U^T U)[t, t'] = sum_k M[s t + k, s t' + k] over the kernel offsets k, a sum of
-    k_h k_w shifted (strided) views of M.
+    (U^T U)[t, t'] = sum_k M[s t + k, s t' + k] over the kernel offsets k, i.e. shifted
+    (strided) views of M summed over kernel rows, then over kernel columns.
     """
     batch, _, height, width = a.shape
     kh, kw = conv.kernel_size
     (ph, pw), (sh, sw), (dh, dw) = conv.padding, conv.stride, conv.dilation
     out_h, out_w = conv_output_size(conv, height, width)
-    padded_positions = (height + 2 * ph) * (width + 2 * pw)
-    if padded_positions**2 > kh * kw * (out_h * out_w) ** 2:
+    padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    if (padded_h * padded_w) ** 2 > kh * kw * (out_h * out_w) ** 2:
         u = F.unfold(a, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
         return torch.bmm(u.transpose(1, 2), u)
     a_pad = F.pad(a, (pw, pw, ph, ph)).flatten(2)
-    m = torch.bmm(a_pad.transpose(1, 2), a_pad)
-    m = m.view(batch, height + 2 * ph, width + 2 * pw, height + 2 * ph, width + 2 * pw)
-    gram = None
-    for i in range(kh):
-        rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
-        for j in range(kw):
-            cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-            shifted = m[:, rows, cols, rows, cols]
-            gram = shifted.clone() if gram is None else gram.add_(shifted)
+    m = torch.bmm(a_pad.transpose(1, 2), a_pad).view(batch, padded_h, padded_w, padded_h, padded_w)
+    rows = _paired_shift_sum(m, 1, kh, dh, sh, out_h)  # (B, out_h, padded_w, out_h, padded_w)
+    gram = _paired_shift_sum(rows, 2, kw, dw, sw, out_w)
     return gram.reshape(batch, out_h * out_w, out_h * out_w)
+
+
+def _paired_shift_sum(
+    m: Tensor, dim: int, taps: int, dilation: int, stride: int, size: int
+) -> Tensor:
+    """sum_k m[..., s t + k dil, ..., s t' + k dil, ...] over k < taps, along the paired
+    dimensions ``dim`` and ``dim + 2`` (t, t' < size)."""
+    total = None
+    for k in range(taps):
+        index = [slice(None)] * m.dim()
+        index[dim] = index[dim + 2] = slice(
+            k * dilation, k * dilation + stride * (size - 1) + 1, stride
+        )
+        view = m[tuple(index)]
+        total = view.clone() if total is None else total.add_(view)
+    return total
 
 
 def conv_ghost_squared_norms(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
@@ -131,13 +155,11 @@ def conv_ghost_squared_norms(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
     positions = g.shape[2] * g.shape[3]
     _, _, height, width = a.shape
     padded = (height + 2 * conv.padding[0]) * (width + 2 * conv.padding[1])
-    per_example = padded**2 + 2 * positions**2
-    chunk = max(1, _GRAM_CHUNK_ELEMENTS // per_example)
     norms = [
         gram_inner(conv_patch_gram(a_c, conv), _positions_gram(g_c.flatten(2)))
-        for a_c, g_c in zip(a.split(chunk), g.split(chunk), strict=True)
+        for a_c, g_c in example_chunks(padded**2 + 2 * positions**2, a, g)
     ]
-    return torch.cat(norms) if norms else a.new_zeros(0)
+    return torch.cat(norms)
 
 
 def _positions_gram(g: Tensor) -> Tensor:
@@ -247,9 +269,12 @@ def _conv2d(conv: nn.Conv2d, a: Tensor, g: Tensor) -> LayerResult:
             squared += conv_ghost_squared_norms(a, g, conv)
             sums[conv.weight] = lambda clip: conv_clipped_weight_sum(a, g, clip, conv)
         else:
-            weight_grads = conv_per_example_weight_grads(a, g, conv)
-            squared += row_squared_norms(weight_grads)
-            sums[conv.weight] = partial(weighted_row_sum, weight_grads)
+            chunks = [
+                conv_per_example_weight_grads(a_c, g_c, conv)
+                for a_c, g_c in example_chunks(conv.weight.numel(), a, g)
+            ]
+            squared += torch.cat([row_squared_norms(rows) for rows in chunks])
+            sums[conv.weight] = partial(weighted_chunks_sum, chunks)
     return squared, sums
 
 
@@ -427,6 +452,7 @@ class BookKeeping:
                 loss, [output for _, output in roots], grad_outputs=scale, allow_unused=True
             )
             self._check_roots_reached(roots, root_grads)
+            del roots, root_grads
             squared = loss.new_zeros(batch_size)
             for layer_squared in self._squared_norms:
                 squared += layer_squared

@@ -218,11 +218,9 @@ def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
     """
     if engine not in ENGINES:
         raise DpivonError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
-    errors = ModuleValidator.validate(model, strict=False)
-    if errors:
-        raise DpivonError(
-            "the model has layers private training cannot use: " + "; ".join(str(e) for e in errors)
-        )
+    refused = _opacus_refusals(model)
+    if refused:
+        raise DpivonError("the model has layers private training cannot use: " + "; ".join(refused))
     bk_problems = unsupported_layers(model)
     if engine == "auto":
         return "bk" if not bk_problems and mc_samples == 1 else "hooks"
@@ -251,6 +249,15 @@ def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
                 + " (use engine hooks)"
             )
     return engine
+
+
+def _opacus_refusals(model: nn.Module) -> list[str]:
+    """Opacus's module validators (BatchNorm and the like), each with the layer's name."""
+    return [
+        f"{name} ({type(module).__name__}: {str(error).split('. ')[0]})"
+        for name, module in trainable_layers(model)
+        for error in ModuleValidator.VALIDATORS.get(type(module), lambda m: [])(module)
+    ]
 
 
 class EmptyBatchBypass(nn.Module):

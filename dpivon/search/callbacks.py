@@ -8,6 +8,7 @@ does not tolerate concurrent ones). They are pickled with the Tune experiment fo
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from rich.console import Console
 
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, trial_train_config
-from dpivon.tracking import Tracker
+from dpivon.tracking import REDACTED, Tracker, redact_uri
 
+# The driver's real tracking URI (with any password), for callbacks restored from storage.
+TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
 TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
 CHECKPOINT_TAG = "dpivon.checkpoint"
@@ -65,12 +68,17 @@ class MlflowTrialLogger(tune.Callback):
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tracker": None, "run_ids": {}}
+        # Tune writes this to the sweep's storage: no password in it.
+        uri = redact_uri(self.tracking_uri)
+        return {**self.__dict__, "tracking_uri": uri, "_tracker": None, "run_ids": {}}
 
     @property
     def tracker(self) -> Tracker:
         if self._tracker is None:
-            self._tracker = Tracker(self.tracking_uri, self.experiment)
+            uri = self.tracking_uri
+            if f":{REDACTED}@" in uri:
+                uri = os.environ.get(TRACKING_URI_ENV, uri)
+            self._tracker = Tracker(uri, self.experiment)
             # After a resume the trial -> run mapping comes from MLflow itself, so a trial
             # that runs again reuses its run instead of getting a duplicate.
             self.run_ids = child_runs_by_trial(self._tracker, self.parent_run_id)

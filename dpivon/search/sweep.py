@@ -47,6 +47,7 @@ from dpivon.privacy.tuning import (
 from dpivon.search.callbacks import (
     CHECKPOINT_TAG,
     STATUS_TAG,
+    TRACKING_URI_ENV,
     TRIAL_TAG,
     MlflowTrialLogger,
     SweepProgress,
@@ -263,7 +264,7 @@ def _start_or_resume(
     state = SweepState(
         pipeline.name,
         str(pipeline.path),
-        tracker.tracking_uri,
+        tracker.display_uri,  # no password in the state file: a resume is given the URI again
         tracker.experiment_name,
         parent,
         list(pipeline.objective_pairs),
@@ -282,6 +283,7 @@ def _run_group(
     state: SweepState,
     directory: Path,
     resume: bool,
+    tracking_uri: str,
 ) -> None:
     space = pipeline.spaces[optimizer]
     group = group_name(optimizer, epsilon)
@@ -337,7 +339,7 @@ def _run_group(
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                 callbacks=[
                     MlflowTrialLogger(
-                        state.tracking_uri, state.experiment, state.parent_run_id, base, space, tags
+                        tracking_uri, state.experiment, state.parent_run_id, base, space, tags
                     ),
                     SweepProgress(group, num_trials, first_metric, first_mode),
                 ],
@@ -523,8 +525,10 @@ def run_sweep(
         else solve_trial_epsilons(pipeline, counts)
     )
     state = _start_or_resume(pipeline, directory, tracker, resume, trial_epsilons)
+    # Restored Tune callbacks hold the redacted URI; they read the real one from here.
+    os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
     console.print(
-        f"sweep {pipeline.name!r}: MLflow {tracker.tracking_uri}, experiment "
+        f"sweep {pipeline.name!r}: MLflow {tracker.display_uri}, experiment "
         f"{state.experiment!r}, parent run {state.parent_run_id}; results in {directory}"
     )
     try:
@@ -546,6 +550,7 @@ def run_sweep(
                         state,
                         directory,
                         resume,
+                        tracker.tracking_uri,
                     )
                 state.groups_done.append(group)
                 state.save(directory)

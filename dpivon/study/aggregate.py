@@ -182,7 +182,7 @@ class Comparison:
         """True when the gap exceeds best std + runner-up std (their mean ± std intervals do
         not overlap); None when a std is unknown (one seed)."""
         spread = self.best_std + self.second_std
-        return None if math.isnan(spread) else self.gap > spread
+        return None if math.isnan(spread) else bool(self.gap > spread)
 
 
 def compare(table: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
@@ -198,12 +198,12 @@ def compare(table: pd.DataFrame, metric: str, epsilon: float) -> Comparison | No
     return Comparison(
         metric,
         epsilon,
-        best["method"],
-        best[f"{metric}_mean"],
-        best[f"{metric}_std"],
-        None if second is None else second["method"],
-        math.nan if second is None else second[f"{metric}_mean"],
-        math.nan if second is None else second[f"{metric}_std"],
+        str(best["method"]),
+        float(best[f"{metric}_mean"]),
+        float(best[f"{metric}_std"]),
+        None if second is None else str(second["method"]),
+        math.nan if second is None else float(second[f"{metric}_mean"]),
+        math.nan if second is None else float(second[f"{metric}_std"]),
     )
 
 

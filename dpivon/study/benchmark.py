@@ -1,8 +1,8 @@
 """`dpivon benchmark`: every (method, epsilon, seed) trained once on Ray, tracked in MLflow.
 
-Each run is one Ray task (the resources of the pipeline), calling the one
-`dpivon.training.train` with the test set evaluated, then fitting a temperature on the
-validation predictive (`dpivon.calibration`) and scoring the tempered test predictive.
+Each run is one Ray task (the resources of the pipeline): the one `dpivon.training.train`,
+then the test set evaluated with train's own evaluation, a temperature fitted on the
+validation predictive (`dpivon.calibration`) and the tempered test predictive scored.
 The driver alone writes MLflow, like a sweep's: one parent run per benchmark, one child
 run per (method, epsilon, seed), created when the run is submitted and filled in when it
 returns (per-epoch history, final metrics, reliability bins). Every wait has a deadline:
@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
-from dpivon.metrics import ReliabilityDiagram, classification_metrics
+from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
 from dpivon.study.layout import (
@@ -95,12 +95,15 @@ class BenchmarkOutcome:
 # --- one run (inside a Ray worker) ----------------------------------------------------------
 
 
-def temperature_scaled(result: TrainResult, data: DataSplits) -> dict[str, float]:
-    """Post-hoc temperature scaling: T fitted on the validation predictive (exact scores of
-    the validation records, as the sweep uses them), applied to the test predictive.
+def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
+    """The run's test metrics and reliability, and post-hoc temperature scaling: T fitted on
+    the validation predictive (exact scores of the validation records, as the sweep uses
+    them), applied to the test predictive (accuracy is unchanged by T).
 
-    The predictives are re-evaluated with the run's own settings and seed, so they are the
-    ones `train` scored (same BMA draws); the arg-max, hence accuracy, is unchanged.
+    Scaling needs the predictive probabilities, which `train` does not return, so the test
+    set is evaluated here, once, with `train`'s own evaluation (`dpivon.evaluation.evaluate`,
+    the run's BMA samples, bins and seed: the same numbers `evaluate_test=True` gives);
+    evaluating it twice would double the cost of a run (BMA over the whole test set).
     """
     config = result.config
 
@@ -119,18 +122,19 @@ def temperature_scaled(result: TrainResult, data: DataSplits) -> dict[str, float
     tempered = classification_metrics(
         apply_temperature(test.probs, temperature), test.labels, config.ece_bins
     )
-    return {
+    extra = {
+        **result.extra,
         "temperature": temperature,
         **{f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"},
     }
+    diagram = reliability_diagram(test.probs, test.labels, config.ece_bins)
+    return replace(result, test=test.metrics, test_reliability=diagram, extra=extra)
 
 
 def run_one(config: TrainConfig, data: DataSplits, threads: int) -> TrainResult:
     """Body of the Ray task: train, test, temperature-scale; the model returns on the CPU."""
     torch.set_num_threads(max(1, threads))
-    result = train(config, data=data, evaluate_test=True)
-    result.extra.update(temperature_scaled(result, data))
-    return result
+    return score_on_test(train(config, data=data, evaluate_test=False), data)
 
 
 # --- MLflow layout --------------------------------------------------------------------------
@@ -250,8 +254,9 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
         },
     )
     tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
+    # no password in the state file: a resume is given the URI again
     BenchmarkState(
-        pipeline.name, str(pipeline.path), tracker.tracking_uri, tracker.experiment_name, parent
+        pipeline.name, str(pipeline.path), tracker.display_uri, tracker.experiment_name, parent
     ).save(directory)
     return parent
 
@@ -415,7 +420,7 @@ def run_benchmark(
     todo = _pending_runs(pipeline, existing)
     outcome = BenchmarkOutcome(parent, tracker, skipped=len(pipeline.runs) - len(todo))
     console.print(
-        f"benchmark {pipeline.name!r}: MLflow {tracker.tracking_uri}, experiment "
+        f"benchmark {pipeline.name!r}: MLflow {tracker.display_uri}, experiment "
         f"{tracker.experiment_name!r}, parent run {parent}; {len(todo)} of "
         f"{len(pipeline.runs)} runs to do ({outcome.skipped} finished before)"
     )

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from dpivon.metrics import ReliabilityDiagram, plot_reliability_diagram
 from dpivon.study.aggregate import (
@@ -56,6 +57,11 @@ TEMPERATURE_NOTE = (
     "applied to the test predictive (accuracy is unchanged). It uses the validation records "
     "with exact scores, as the sweep does: they are held out from training, so the training "
     "epsilon does not cover them; a release would fit T on public data or privately."
+)
+COLUMN_NOTE = (
+    "eps spent: the accountant's epsilon of the training (inf: no noise, clipping only); "
+    "wall s: the time `train` took (training and per-epoch validation, not the final test "
+    "evaluation); T: the fitted temperature (> 1 softens an over-confident predictive)."
 )
 # (column, header, scale, decimals) of the results table
 _COLUMNS = (
@@ -274,16 +280,17 @@ def results_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str, word: str):
+def _comparison_text(
+    c: Comparison | None, scale: float, decimals: int, unit: str, gap_words: str
+) -> str | None:
     if c is None:
         return None
     best = f"**{c.best}** ({mean_std(c.best_mean, c.best_std, scale, decimals)}{unit})"
     if c.second is None:
         return f"{best}, the only method"
     spread = {True: "beyond", False: "within", None: "spread unknown:"}[c.beyond_spread]
-    gap = f"{c.gap * scale:.{decimals}f}{unit}"
     second = f"{c.second} ({mean_std(c.second_mean, c.second_std, scale, decimals)}{unit})"
-    return f"{best}, {gap} {word} {second}, {spread} the seeds' spread"
+    return f"{best}, {c.gap * scale:.{decimals}f} {gap_words} {second}, {spread} the seeds' spread"
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
@@ -291,7 +298,9 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
     the margin over the runner-up exceeds the seeds' spread (see SPREAD_RULE)."""
     lines = []
     for eps in verdict_epsilons(table):
-        accuracy = _comparison_text(compare(table, "test_accuracy", eps), 100.0, 1, " %", "above")
+        accuracy = _comparison_text(
+            compare(table, "test_accuracy", eps), 100.0, 1, " %", "points above"
+        )
         ece = _comparison_text(compare(table, "test_ece", eps), 1.0, 3, "", "below")
         lines.append(
             f"epsilon {epsilon_label(eps)}: best mean test accuracy {accuracy}; "
@@ -405,6 +414,8 @@ def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Fi
                 positive = positive and bool(np.all(np.concatenate([low, mean]) > 0))
             if key in ("hess_median", "posterior_std_median", "grad_snr_median") and positive:
                 ax.set_yscale("log")
+            else:
+                ax.ticklabel_format(axis="y", useOffset=False)
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"epsilon {epsilon_label(eps)}")
@@ -412,6 +423,7 @@ def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Fi
                 ax.set_ylabel(title, fontsize="small")
             if row == len(rows) - 1:
                 ax.set_xlabel("epoch")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, labels = {}, {}
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
@@ -461,7 +473,11 @@ def build_report(
         blocks.append(Bullets(list(settings)))
     blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
     blocks += [Heading("Results (mean ± std over seeds)")]
-    blocks += [TableBlock(*results_rows(table)), Paragraph(TEMPERATURE_NOTE)]
+    blocks += [
+        TableBlock(*results_rows(table)),
+        Paragraph(TEMPERATURE_NOTE),
+        Paragraph(COLUMN_NOTE),
+    ]
     if failed:
         blocks += [
             Paragraph(f"{len(failed)} run(s) failed and are not in the table:"),

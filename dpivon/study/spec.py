@@ -260,7 +260,8 @@ class BenchmarkPipeline(_Strict):
 
     @property
     def runs(self) -> list[RunSpec]:
-        """Every run, method-major then epsilon then seed (the submission order)."""
+        """Every run in submission order: seed-major, then epsilon, then method, so that an
+        interrupted benchmark holds complete comparisons of its first seeds."""
         return list(self._runs)
 
     @property
@@ -401,7 +402,15 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                     )
                 runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
     _check_equal_budgets(budgets, where)
-    pipeline._runs = runs
+    methods, seeds = pipeline.method_names, pipeline.seeds
+    pipeline._runs = sorted(
+        runs,
+        key=lambda r: (
+            seeds.index(r.replicate),
+            pipeline.epsilon_list.index(r.epsilon),
+            methods.index(r.method),
+        ),
+    )
     pipeline._tuning_trials = budgets
     return pipeline
 

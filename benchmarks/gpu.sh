@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One short, prepared benchmark run for a lent GPU (about 10 minutes on one H200-class GPU).
+#
+# Prints the step-time table of benchmarks/step_time.py (every private optimizer x engine
+# bk, hooks, functorch, ghost, against non-private Adam; tanh-cnn and wrn-16-4; batch 256
+# and 1024; peak memory from torch.cuda.max_memory_allocated) and the end-to-end time of
+# one CIFAR-10 epoch (data, training, validation and test evaluation) of tanh-cnn and
+# wrn-16-4, and writes all rows as JSON to $OUT/gpu.json.
+#
+#   DPIVON_DATA=/path/to/cifar10-jpeg.tar.gz bash benchmarks/gpu.sh
+#
+# Knobs: PYTHON (default .venv/bin/python, else python), OUT (default benchmarks/out),
+# STEPS (timed rounds, default 10), WARMUP (default 3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python
+OUT=${OUT:-benchmarks/out}
+: "${DPIVON_DATA:?set DPIVON_DATA to the CIFAR-10 tarball or folder}"
+mkdir -p "$OUT"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+# The CIFAR-10 cache is built once (about a minute), so that the epoch times below measure
+# the loading a run does, not the one-off JPEG decoding.
+"$PYTHON" -c "from dpivon.data.cifar10 import load_cifar10; load_cifar10()"
+
+"$PYTHON" benchmarks/step_time.py \
+    --device cuda \
+    --models tanh-cnn wrn-16-4 \
+    --batch-sizes 256 1024 \
+    --engines bk hooks functorch ghost \
+    --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
+    --epoch-dataset cifar10 --data-path "$DPIVON_DATA" --epoch-batch-size 256 \
+    --json "$OUT/gpu.json"

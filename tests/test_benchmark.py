@@ -1,0 +1,400 @@
+"""`dpivon benchmark`: aggregation and report on hand-made records, pipeline validation,
+and one small real run on a local Ray with a real MLflow SQLite store (parent/child
+layout, report on the parent, resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import ray
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from dpivon.cli import app
+from dpivon.config import TrainConfig
+from dpivon.errors import DpivonError
+from dpivon.metrics import reliability_diagram
+from dpivon.models import build_model
+from dpivon.study.aggregate import RunRecord, aggregate, compare
+from dpivon.study.benchmark import run_benchmark, score_on_test
+from dpivon.study.layout import KEY_TAG, STATUS_TAG
+from dpivon.study.report import build_report, verdict_lines, write_report
+from dpivon.study.spec import load_benchmark
+from dpivon.tracking import save_checkpoint
+from dpivon.training import load_data, train
+
+runner = CliRunner()
+
+# test accuracy / ECE of 3 seeds per (method, epsilon), chosen so means and stds are easy
+HAND = {
+    ("alpha", 1.0): ([0.30, 0.32, 0.34], [0.10, 0.12, 0.14]),
+    ("alpha", 8.0): ([0.50, 0.50, 0.56], [0.05, 0.05, 0.05]),
+    ("beta", 1.0): ([0.20, 0.22, 0.24], [0.02, 0.03, 0.04]),
+    ("beta", 8.0): ([0.52, 0.54, 0.56], [0.06, 0.08, 0.10]),
+}
+
+
+def hand_records() -> list[RunRecord]:
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(200, 10, generator=gen), dim=1)
+    labels = torch.randint(0, 10, (200,), generator=gen)
+    records = []
+    for (method, eps), (accs, eces) in HAND.items():
+        for seed, (acc, ece) in enumerate(zip(accs, eces, strict=True)):
+            history = {}
+            if method == "alpha":  # an IVON-like method with diagnostics; beta has none
+                history = {
+                    "projected_fraction": [0.68, 0.67],
+                    "hess_median": [0.5, 0.4 + 0.01 * seed],
+                    "hess_q10": [0.4, 0.3],
+                    "hess_q90": [0.6, 0.7],
+                    "posterior_std_median": [0.01, 0.012],
+                }
+            records.append(
+                RunRecord(
+                    method=method,
+                    optimizer="dp-ivon-gradsq" if method == "alpha" else "dp-sgd",
+                    epsilon=eps,
+                    replicate=seed,
+                    metrics={
+                        "test_accuracy": acc,
+                        "test_ece": ece,
+                        "test_nll": 2.0 - acc,
+                        "test_brier": 0.9,
+                        "test_ts_nll": 1.9 - acc,
+                        "test_ts_ece": ece / 2,
+                        "temperature": 1.5,
+                        "epsilon_spent": eps - 0.01,
+                        "wall_time_s": 10.0 + seed,
+                    },
+                    history=history,
+                    reliability=reliability_diagram(probs, labels, 15),
+                )
+            )
+    return records
+
+
+def test_aggregation_matches_hand_computed_means_and_stds():
+    table = aggregate(hand_records(), ["alpha", "beta"])
+    assert list(zip(table["method"], table["epsilon"], strict=True)) == [
+        ("alpha", 1.0),
+        ("alpha", 8.0),
+        ("beta", 1.0),
+        ("beta", 8.0),
+    ]
+    assert (table["n"] == 3).all()
+    row = table.iloc[1]  # alpha at 8: accuracy 0.50, 0.50, 0.56
+    assert row["test_accuracy_mean"] == pytest.approx(0.52)
+    # sample std (ddof 1): deviations -0.02, -0.02, 0.04 -> sqrt(0.0024 / 2)
+    assert row["test_accuracy_std"] == pytest.approx(math.sqrt(0.0024 / 2))
+    assert row["test_ece_std"] == pytest.approx(0.0, abs=1e-12)
+    assert row["wall_time_s_mean"] == pytest.approx(11.0)
+    assert row["wall_time_s_std"] == pytest.approx(1.0)
+    assert table.iloc[0]["test_ece_std"] == pytest.approx(0.02)
+
+    # eps 1: alpha leads beta by 0.10 in accuracy, stds 0.02 each: beyond the spread
+    acc = compare(table, "test_accuracy", 1.0)
+    assert (acc.best, acc.second) == ("alpha", "beta")
+    assert acc.gap == pytest.approx(0.10) and acc.beyond_spread
+    # eps 8: beta leads by 0.02 with stds 0.02 and 0.035: within the spread
+    acc8 = compare(table, "test_accuracy", 8.0)
+    assert acc8.best == "beta" and acc8.beyond_spread is False
+    assert compare(table, "test_ece", 1.0).best == "beta"  # lower is better
+    lines = verdict_lines(table)
+    assert len(lines) == 2
+    assert lines[0].startswith("epsilon 1:") and "**alpha**" in lines[0]
+    assert "10.0 points above beta" in lines[0] and "beyond" in lines[0]
+    assert lines[1].startswith("epsilon 8:") and "within the seeds' spread" in lines[1]
+
+
+def test_report_has_the_table_and_a_self_contained_html(tmp_path):
+    records = hand_records()
+    report = build_report(
+        "Benchmark hand",
+        records,
+        method_order=["alpha", "beta"],
+        settings=["hand-made records"],
+        method_configs={"alpha": {"optimizer": "dp-ivon-gradsq", "lr": 3.0, "tuned_by": None}},
+    )
+    markdown, page = report.markdown(), report.html()
+    assert "| method | eps | seeds | accuracy % | NLL | ECE |" in markdown
+    assert "| alpha | 8 | 3 | 52.0 ± 3.5 |" in markdown
+    assert "validation" in markdown  # the temperature-scaling note names its records
+    assert "## Verdict" in markdown and report.verdict[0] in markdown
+    assert set(report.figures) == {
+        "metrics_vs_epsilon.png",
+        "diagnostics.png",
+        "reliability_alpha_eps1.png",
+        "reliability_beta_eps1.png",
+        "reliability_alpha_eps8.png",
+        "reliability_beta_eps8.png",
+    }
+    assert page.count('src="data:image/png;base64,') == len(report.figures)
+    assert not re.search(r'(src|href)="(?!data:)', page)  # no external asset
+    assert "<td>52.0 ± 3.5</td>" in page and "<strong>alpha</strong>" in page
+    assert "(beta) are not drawn" in markdown  # beta logged no diagnostics
+    note = report.note()
+    assert report.verdict[1] in note and "| beta | 1 | 3 | 22.0 ± 2.0 |" in note
+
+    files = write_report(report, tmp_path)
+    assert (tmp_path / "report.md").read_text() == markdown
+    assert (tmp_path / "figures" / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(pd.read_csv(tmp_path / "results.csv")) == 4
+    assert len(files) == 4 + len(report.figures)
+
+
+def test_scoring_on_test_gives_trains_own_test_metrics_and_a_temperature():
+    config = TrainConfig(
+        optimizer="dp-ivon-gradsq",
+        dataset="synthetic",
+        synthetic_size=300,
+        model="small-cnn",
+        epochs=1,
+        batch_size=64,
+        bma_samples=2,
+        epsilon=8,
+    )
+    data = load_data(config)
+    reference = train(config, data=data, evaluate_test=True)
+    scored = score_on_test(train(config, data=data, evaluate_test=False), data)
+    assert scored.test == reference.test  # the same evaluation, evaluated once
+    assert np.array_equal(scored.test_reliability.bin_count, reference.test_reliability.bin_count)
+    assert 0.01 <= scored.extra["temperature"] <= 100.0
+    assert {"test_ts_nll", "test_ts_ece", "test_ts_brier"} <= scored.summary().keys()
+
+
+# --- pipelines ---------------------------------------------------------------------------
+
+
+def write_benchmark(tmp_path, **overrides) -> str:
+    data = {
+        "name": "tiny",
+        "data": {"dataset": "synthetic", "synthetic_size": 300},
+        "model": "small-cnn",
+        "epochs": 1,
+        "epsilons": [8, float("inf")],
+        "seeds": [0, 1, 2],
+        "methods": [
+            {"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}},
+            {
+                "name": "dp-ivon-ema",
+                "optimizer": "dp-ivon-gradsq",
+                "train": {"curvature_estimator": "ema-corrected", "beta2": 0.99},
+            },
+        ],
+        "concurrency": 2,
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "storage_path": str(tmp_path / "runs"),
+        "train": {"bma_samples": 2, "batch_size": 64},
+    }
+    data.update(overrides)
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"seeds": [0, 1]}, "at least 3 seeds"),
+        ({"epsilons": [8, 8]}, "epsilons must be distinct"),
+        ({"methods": [{"name": "x", "optimizer": "dp-nope"}]}, "unknown optimizer 'dp-nope'"),
+        (
+            {"methods": [{"name": "x", "optimizer": "dp-sgd", "train": {"epochs": 3}}]},
+            "epochs is a benchmark setting",
+        ),
+        (
+            {"methods": [{"name": "x", "optimizer": "dp-sgd", "train": {"lr": -1}}]},
+            "lr must be > 0",
+        ),
+        (
+            {"methods": [{"name": "x", "optimizer": "dp-sgd", "from_sweep": "nowhere"}]},
+            "no sweep found for 'nowhere'",
+        ),
+        ({"colour": "red"}, "colour: unknown key"),
+    ],
+)
+def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message):
+    result = runner.invoke(app, ["benchmark", write_benchmark(tmp_path, **overrides)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: invalid benchmark")
+    assert message in result.output
+
+
+def fake_sweep(tmp_path, name: str, trials_per_group: int, lr: float):
+    """A finished sweep on disk as `dpivon export` reads it: one front trial per group."""
+    directory = tmp_path / name
+    directory.mkdir()
+    rows = []
+    for eps in (8.0, math.inf):
+        group = f"eps{eps:g}-dp-sgd"
+        checkpoint = directory / group / "trial0"
+        checkpoint.mkdir(parents=True)
+        config = TrainConfig(
+            optimizer="dp-sgd",
+            epsilon=eps,
+            lr=lr,
+            batch_size=32,
+            max_grad_norm=0.7,
+            dataset="synthetic",
+            model="small-cnn",
+        )
+        save_checkpoint(checkpoint / "model.pt", config, build_model("small-cnn"), None)
+        for i in range(trials_per_group):
+            rows.append(
+                {
+                    "trial_id": f"{group}-{i}",
+                    "group": group,
+                    "optimizer": "dp-sgd",
+                    "epsilon": eps,
+                    "status": "completed",
+                    "val_accuracy": 0.5 - 0.1 * i,
+                    "val_ece": 0.1 + 0.1 * i,
+                    "checkpoint": str(checkpoint),
+                }
+            )
+    trials = pd.DataFrame(rows)
+    trials.to_csv(directory / "trials.csv", index=False)
+    trials.groupby("group").head(1).to_csv(directory / "pareto_front.csv", index=False)
+    (directory / "tuning_privacy.json").write_text("{}")
+    (directory / "sweep.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "pipeline_path": "",
+                "tracking_uri": "",
+                "experiment": "",
+                "parent_run_id": "",
+                "objectives": [["val_accuracy", "max"], ["val_ece", "min"]],
+            }
+        )
+    )
+    return directory
+
+
+def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path):
+    sweep = fake_sweep(tmp_path, "s1", trials_per_group=2, lr=0.123)
+    methods = [
+        {"name": "tuned", "optimizer": "dp-sgd", "from_sweep": str(sweep)},
+        {"name": "fixed", "optimizer": "dp-sgd", "train": {"lr": 1.0}},
+    ]
+    pipeline = load_benchmark(write_benchmark(tmp_path, methods=methods))
+    tuned = [r for r in pipeline.runs if r.method == "tuned"]
+    assert len(tuned) == 6 and {r.config.lr for r in tuned} == {0.123}
+    # the sweep's hyper-parameters, the benchmark's setting (data, epochs, seeds)
+    assert {r.config.max_grad_norm for r in tuned} == {0.7}
+    assert {r.config.batch_size for r in tuned} == {64}  # the benchmark's train: wins
+    assert {r.config.synthetic_size for r in tuned} == {300}
+    assert tuned[0].tuned_by == "s1/eps8-dp-sgd/eps8-dp-sgd-0"
+    assert pipeline.tuning_trials == {("tuned", 8.0): 2, ("tuned", math.inf): 2}
+    assert pipeline.sweep_directories == [sweep.resolve()]
+    report = build_report("with a sweep", hand_records(), sweeps=pipeline.sweep_directories)
+    assert report.figures["pareto_s1.png"][:4] == b"\x89PNG"
+    assert "Pareto fronts of the tuning sweeps" in report.markdown()
+    # seeds differ per run, the split is shared
+    assert len({r.config.seed for r in pipeline.runs}) == len(pipeline.runs)
+    assert {r.config.data_seed for r in pipeline.runs} == {0}
+
+    other = fake_sweep(tmp_path, "s2", trials_per_group=3, lr=0.2)
+    methods.append({"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)})
+    with pytest.raises(DpivonError, match="different trial budgets"):
+        load_benchmark(write_benchmark(tmp_path, methods=methods))
+
+
+# --- a real run --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_benchmark(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("benchmark")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        pipeline = load_benchmark(write_benchmark(tmp_path))
+        outcome = run_benchmark(pipeline)
+        yield tmp_path, pipeline, outcome
+    finally:
+        ray.shutdown()
+
+
+def runs_of(tmp_path, experiment: str):
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("dpivon.kind") == "benchmark"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
+    tmp_path, pipeline, outcome = finished_benchmark
+    assert not outcome.failed and len(outcome.completed) == 12
+    client, parents, children = runs_of(tmp_path, pipeline.experiment)
+    (parent,) = parents
+    assert parent.info.status == "FINISHED" and parent.info.run_id == outcome.parent_run_id
+    assert len(children) == 12
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
+    assert {c.data.tags[KEY_TAG] for c in children} == {r.key for r in pipeline.runs}
+    for child in children:
+        params, metrics = child.data.params, child.data.metrics
+        assert child.info.status == "FINISHED" and child.data.tags[STATUS_TAG] == "completed"
+        assert {"method", "replicate", "optimizer", "lr", "batch_size", "seed"} <= params.keys()
+        assert {
+            "test_accuracy",
+            "test_nll",
+            "test_ece",
+            "test_brier",
+            "test_ts_ece",
+            "test_ts_nll",
+            "temperature",
+            "wall_time_s",
+            "val_accuracy",
+        } <= metrics.keys()
+        private = child.data.tags["dpivon.epsilon"] == "8"
+        if private:
+            assert metrics["epsilon_spent"] == pytest.approx(8.0, abs=0.05)
+            assert "train_loss" not in metrics  # not DP: never stored for a private run
+        if params["optimizer"] == "dp-ivon-gradsq":
+            history = client.get_metric_history(child.info.run_id, "projected_fraction")
+            assert [m.step for m in history] == [1]
+        artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
+        assert {"reliability.json", "summary.json", "config.yaml"} <= artifacts
+    report = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/report.html", "report/results.csv"} <= report
+    note = parent.data.tags["mlflow.note.content"]
+    assert "| method | eps | seeds |" in note and "epsilon 8:" in note
+    assert "test_accuracy.eps8.dp-sgd" in parent.data.metrics
+    page = (pipeline.directory / "report" / "report.html").read_text()
+    assert "data:image/png;base64," in page
+
+
+def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
+    tmp_path, pipeline, _ = finished_benchmark
+    client, _, children = runs_of(tmp_path, pipeline.experiment)
+    interrupted = next(c for c in children if c.data.tags[KEY_TAG] == "dp-sgd|eps8|seed1")
+    # as if the driver had died while this run was in flight
+    client.set_tag(interrupted.info.run_id, STATUS_TAG, "running")
+    client.update_run(interrupted.info.run_id, status="RUNNING")
+    ended = {c.info.run_id: c.info.end_time for c in children}
+
+    with pytest.raises(DpivonError, match="pass --resume"):
+        run_benchmark(pipeline)
+    outcome = run_benchmark(pipeline, resume=True)
+    assert outcome.skipped == 11 and outcome.completed == ["dp-sgd|eps8|seed1"]
+    _, parents, after = runs_of(tmp_path, pipeline.experiment)
+    assert len(parents) == 1 and len(after) == 12  # the same child run was reused
+    for child in after:
+        if child.info.run_id == interrupted.info.run_id:
+            assert child.data.tags[STATUS_TAG] == "completed"
+            assert child.info.status == "FINISHED"
+        else:
+            assert child.info.end_time == ended[child.info.run_id]  # untouched
+    history = client.get_metric_history(interrupted.info.run_id, "val_accuracy")
+    assert len(history) >= 1 and np.isfinite([m.value for m in history]).all()
