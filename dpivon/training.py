@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
@@ -343,13 +344,15 @@ def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluatio
     return private_validation_scores(diagram, config.val_noise_multiplier, setup.generator)
 
 
-def _progress(enabled: bool) -> Progress:
+def progress_bar(enabled: bool) -> Progress:
+    """The steps-of-training bar, on stderr (stdout stays for results)."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
+        console=Console(stderr=True),
         disable=not enabled,
     )
 
@@ -376,7 +379,7 @@ def train(
     posterior = None
     val: dict[str, float] | None = None
 
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(config.optimizer, total=config.epochs * len(setup.loader), status="")
         bar.advance(task, first_epoch * len(setup.loader))
         for epoch in range(first_epoch + 1, config.epochs + 1):

@@ -30,14 +30,20 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from opacus.optimizers import DPOptimizer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.privacy.engine import PrivacyPlan
-from dpivon.training import build_training, load_data, resolve_device, seed_everything, train_step
+from dpivon.training import (
+    build_training,
+    load_data,
+    progress_bar,
+    resolve_device,
+    seed_everything,
+    train_step,
+)
 
 # --- the bound (Steinke, Nasr & Jagielski 2023, Theorem 5.2 / their Algorithm 2) ---------
 
@@ -362,7 +368,7 @@ def run_audit(
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     started = time.perf_counter()
     data = data if data is not None else load_data(config)
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         real, plan = _scored_run(config, data, canaries, confidence, noise=True, bar=bar)
         control, _ = _scored_run(config, data, canaries, confidence, noise=False, bar=bar)
     return AuditResult(
@@ -429,15 +435,3 @@ def _scored_run(
         mean_times_sampled=float(injector.times_sampled.sum()) / max(n_included, 1),
     )
     return result, plan
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )

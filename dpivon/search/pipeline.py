@@ -59,7 +59,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
@@ -247,8 +247,53 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
-class Pipeline(_Strict):
+class RunFile(_Strict):
+    """What every run file (a sweep pipeline, a benchmark pipeline) checks the same way."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_experiment(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("experiment") is None:
+            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
+        return data
+
+    @field_validator("name", check_fields=False)
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a valid {cls.kind} name; use lowercase letters, digits, - and _"
+            )
+        return name
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _check_model(cls, model: str) -> str:
+        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
+
+        if model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        return model
+
+    @field_validator("delta", check_fields=False)
+    @classmethod
+    def _check_delta(cls, delta: float) -> float:
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}")
+        return delta
+
+    @field_validator("experiment", check_fields=False)
+    @classmethod
+    def _check_experiment(cls, experiment: str) -> str:
+        if not experiment.strip():
+            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
+        return experiment
+
+
+class Pipeline(RunFile):
     """A validated sweep pipeline; build it with :func:`load_pipeline`."""
+
+    kind: ClassVar[str] = "sweep"
 
     name: str
     data: DataSpec = DataSpec()
@@ -286,31 +331,6 @@ class Pipeline(_Strict):
 
     # -- validation ----------------------------------------------------------------------------
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_experiment(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("experiment") is None:
-            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
-        return data
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not _NAME.fullmatch(name):
-            raise ValueError(
-                f"{name!r} is not a valid sweep name; use lowercase letters, digits, - and _"
-            )
-        return name
-
-    @field_validator("model")
-    @classmethod
-    def _check_model(cls, model: str) -> str:
-        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
-
-        if model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
-        return model
-
     @model_validator(mode="after")
     def _check_budget_kind(self) -> Pipeline:
         if (self.epsilons is None) == (self.total_epsilon is None):
@@ -344,13 +364,6 @@ class Pipeline(_Strict):
             raise ValueError(f"epsilons must be distinct, got {epsilons}")
         return epsilons
 
-    @field_validator("delta")
-    @classmethod
-    def _check_delta(cls, delta: float) -> float:
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
-        return delta
-
     @field_validator("optimizers")
     @classmethod
     def _check_optimizers(cls, entries: list[OptimizerEntry]) -> list[OptimizerEntry]:
@@ -371,13 +384,6 @@ class Pipeline(_Strict):
         if objectives[0].metric == objectives[1].metric:
             raise ValueError(f"the two objectives must differ, both are {objectives[0].metric}")
         return objectives
-
-    @field_validator("experiment")
-    @classmethod
-    def _check_experiment(cls, experiment: str) -> str:
-        if not experiment.strip():
-            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
-        return experiment
 
     @field_validator("train", mode="before")
     @classmethod

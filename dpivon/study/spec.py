@@ -44,7 +44,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -54,7 +54,6 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     field_validator,
-    model_validator,
 )
 
 from dpivon.config import (
@@ -65,13 +64,18 @@ from dpivon.config import (
     read_yaml_mapping,
 )
 from dpivon.errors import DpivonError
-from dpivon.search.pipeline import _PIPELINE_KEYS, SYNTHETIC_DEFAULT_SIZE, DataSpec, Resources
+from dpivon.search.pipeline import (
+    _PIPELINE_KEYS,
+    SYNTHETIC_DEFAULT_SIZE,
+    DataSpec,
+    Resources,
+    RunFile,
+)
 from dpivon.search.space import Float, Int, numeric
 from dpivon.search.trial import trial_seed
 
 MIN_SEEDS = 3
 PICKS = ("knee", "max-accuracy", "min-ece")
-_NAME = re.compile(r"[a-z0-9_-]+")
 _METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
@@ -110,14 +114,7 @@ class Method(_Strict):
     optimizer: str
     from_sweep: str | None = None
     pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
-    train: TrainExtras = {}
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not _METHOD_NAME.fullmatch(name):
-            raise ValueError(f"method name {name!r}: use letters, digits and _ . + -")
-        return name
+    train: TrainExtras = Field(default_factory=dict)
 
     @field_validator("optimizer")
     @classmethod
@@ -152,8 +149,10 @@ def run_key(method: str, epsilon: float, replicate: int) -> str:
     return f"{method}|eps{epsilon:g}|seed{replicate}"
 
 
-class BenchmarkPipeline(_Strict):
+class BenchmarkPipeline(RunFile):
     """A validated benchmark pipeline; build it with :func:`load_benchmark`."""
+
+    kind: ClassVar[str] = "benchmark"
 
     name: str
     data: DataSpec = DataSpec()
@@ -171,37 +170,12 @@ class BenchmarkPipeline(_Strict):
     tracking_uri: str | None = None
     experiment: str = ""
     storage_path: str = Field("dpivon-runs", min_length=1)
-    train: TrainExtras = {}
+    train: TrainExtras = Field(default_factory=dict)
 
     _path: Path | None = PrivateAttr(None)
     _source_text: str = PrivateAttr("")
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
     _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_experiment(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("experiment") is None:
-            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
-        return data
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not _NAME.fullmatch(name):
-            raise ValueError(
-                f"{name!r} is not a valid benchmark name; use lowercase letters, digits, - and _"
-            )
-        return name
-
-    @field_validator("model")
-    @classmethod
-    def _check_model(cls, model: str) -> str:
-        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
-
-        if model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
-        return model
 
     @field_validator("epsilons")
     @classmethod
@@ -225,13 +199,6 @@ class BenchmarkPipeline(_Strict):
             raise ValueError(f"seeds must be distinct and >= 0, got {seeds}")
         return seeds
 
-    @field_validator("delta")
-    @classmethod
-    def _check_delta(cls, delta: float) -> float:
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
-        return delta
-
     @field_validator("methods")
     @classmethod
     def _check_methods(cls, methods: list[Method]) -> list[Method]:
@@ -240,13 +207,6 @@ class BenchmarkPipeline(_Strict):
         if twice:
             raise ValueError(f"method name {', '.join(twice)} used more than once; rename one")
         return methods
-
-    @field_validator("experiment")
-    @classmethod
-    def _check_experiment(cls, experiment: str) -> str:
-        if not experiment.strip():
-            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
-        return experiment
 
     # -- the API -------------------------------------------------------------------------------
 
