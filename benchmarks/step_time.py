@@ -7,11 +7,14 @@ posterior sampling), on the same model, expected batch size and synthetic data. 
 step of each per round, so drift in machine load hits them alike; ms/step is the median
 after warm-up. Ratios compare configurations of the same model and batch size.
 
-Peak memory is what one step holds beyond what existed before it (model, optimizer state,
-data): on CUDA ``torch.cuda.max_memory_allocated`` minus the allocation before the step; on
-CPU the peak resident set size, sampled every millisecond by a thread, minus the RSS before
-the step (after ``malloc_trim`` has returned freed heap memory to the system), one separate
-step per configuration. tracemalloc does not see torch's allocations.
+Peak memory is the most tensor memory one step holds at once beyond what existed before it
+(model, optimizer state, data), one separate step per configuration: on CUDA
+``torch.cuda.max_memory_allocated`` minus the allocation before the step; on CPU the
+running sum of torch.profiler's allocation and free events (the RSS of a process holding
+many configurations says little, and tracemalloc does not see torch's allocations). On
+CPU glibc is told to keep freed memory for reuse (`keep_freed_memory`; ``--default-malloc``
+leaves it unmapping and trimming), so that no configuration's timing depends on the
+others'.
 
 One epoch end to end (``--epoch-dataset``): `dpivon.training.train` for one epoch,
 including the data loading and the validation and test evaluation (BMA for the IVON
@@ -25,14 +28,11 @@ family), with the default engine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import functools
 import itertools
 import json
-import os
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 
 from dpivon import training
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
@@ -53,7 +54,6 @@ ENGINES = ("bk", "hooks", "functorch", "ghost")
 # The noise calibration depends on (epsilon, delta, C, N, b, epochs) only: the same for all
 # configurations of a (model, batch size), so it is computed once for them.
 training.plan_privacy = functools.cache(plan_privacy)
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -127,54 +127,46 @@ def timed_step(run: Run) -> float:
     return elapsed
 
 
-class PeakRss:
-    """Peak resident set size while the block runs, sampled every millisecond."""
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of unmapping or trimming it.
 
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE_BYTES
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.001)
-
-    def __enter__(self) -> PeakRss:
-        self.peak = self.now()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-
-def release_free_heap() -> None:
-    """Give freed heap memory back to the system, so that RSS starts from what is live."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS includes free heap
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    By default tensors above 32 MB get their own mapping, unmapped when freed, and the
+    heap top is trimmed: the next step page-faults that memory back in and zeroes it.
+    With many configurations in one process, how often one of them pays that depends on
+    the others, so round-robin timings would depend on the set of configurations. With
+    glibc's defaults a training process pays the faults at every step (measured here: a
+    fifth to a quarter of a tanh-cnn step at batch 256, for Adam and bk alike); tcmalloc
+    or jemalloc avoid them, as this does.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def step_peak_memory_mb(run: Run) -> float:
-    """Memory one step holds at its peak beyond what was allocated before it."""
+    """Most tensor memory one step holds at once beyond what was allocated before it."""
     if run.device.type == "cuda":
         synchronize(run.device)
         before = torch.cuda.memory_allocated(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
         timed_step(run)
         return (torch.cuda.max_memory_allocated(run.device) - before) / 2**20
-    release_free_heap()
-    before = PeakRss.now()
-    with PeakRss() as rss:
+    # Every allocation and free of torch's CPU allocator, in time order.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         timed_step(run)
-    return (rss.peak - before) / 2**20
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 # --- one (model, batch size): all configurations round-robin ------------------------------
@@ -318,13 +310,18 @@ def print_epoch_table(epochs: list[Row], console: Console) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tanh-cnn", "wrn-16-4"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[256, 1024])
+    parser.add_argument(
+        "--batch-sizes", nargs="*", type=int, default=[256, 1024], help="none: epochs only"
+    )
     parser.add_argument("--optimizers", nargs="+", default=list(PRIVATE_OPTIMIZERS))
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), help="ew also works")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument(
+        "--default-malloc", action="store_true", help="CPU: leave glibc's unmapping and trimming"
+    )
     parser.add_argument("--epoch-dataset", choices=["synthetic", "cifar10"], help="time an epoch")
     parser.add_argument(
         "--epoch-size", type=int, default=0, help="training images (0: all; synthetic 2000)"
@@ -334,7 +331,9 @@ def main() -> None:
     parser.add_argument("--data-path", default=None, help="CIFAR-10 (else $DPIVON_DATA)")
     args = parser.parse_args()
     device = resolve_device(args.device)
-    console = Console()
+    console = Console(width=120)
+    if device.type == "cpu" and not args.default_malloc:
+        console.print(f"glibc keeps freed memory (no per-step page faults): {keep_freed_memory()}")
 
     rows: list[Row] = []
     for model in args.models:
