@@ -250,6 +250,19 @@ def _as_list(value: Any) -> Any:
 class RunFile(_Strict):
     """What every run file (a sweep pipeline, a benchmark pipeline) checks the same way."""
 
+    _path: Path | None = PrivateAttr(None)
+    _source_text: str = PrivateAttr("")
+
+    @property
+    def path(self) -> Path | None:
+        """The file it was read from."""
+        return self._path
+
+    @property
+    def source_text(self) -> str:
+        """The file's text, for logging it with the runs."""
+        return self._source_text
+
     @model_validator(mode="before")
     @classmethod
     def _default_experiment(cls, data: Any) -> Any:
@@ -325,8 +338,6 @@ class Pipeline(RunFile):
     max_failures: Int = Field(1, ge=0)
     train: dict[str, Any] = {}
 
-    _path: Path | None = PrivateAttr(None)
-    _source_text: str = PrivateAttr("")
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
 
     # -- validation ----------------------------------------------------------------------------
@@ -419,16 +430,6 @@ class Pipeline(RunFile):
         return self
 
     # -- the API -------------------------------------------------------------------------------
-
-    @property
-    def path(self) -> Path | None:
-        """The pipeline file."""
-        return self._path
-
-    @property
-    def source_text(self) -> str:
-        """The pipeline file's text, for logging it with the sweep."""
-        return self._source_text
 
     @property
     def spaces(self) -> dict[str, SearchSpace]:

@@ -172,8 +172,6 @@ class BenchmarkPipeline(RunFile):
     storage_path: str = Field("dpivon-runs", min_length=1)
     train: TrainExtras = Field(default_factory=dict)
 
-    _path: Path | None = PrivateAttr(None)
-    _source_text: str = PrivateAttr("")
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
     _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
 
@@ -209,14 +207,6 @@ class BenchmarkPipeline(RunFile):
         return methods
 
     # -- the API -------------------------------------------------------------------------------
-
-    @property
-    def path(self) -> Path | None:
-        return self._path
-
-    @property
-    def source_text(self) -> str:
-        return self._source_text
 
     @property
     def runs(self) -> list[RunSpec]:
