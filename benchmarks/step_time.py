@@ -120,7 +120,7 @@ def timed_step(run: Run) -> float:
     x, y = next(run.batches)
     synchronize(run.device)
     start = time.perf_counter()
-    train_step(run.setup, x, y, run.config.mc_samples)
+    train_step(run.setup, x, y, run.config.optimizer.samples_per_step)
     synchronize(run.device)
     elapsed = (time.perf_counter() - start) * 1000
     run.setup.optimizer.zero_grad()
@@ -173,9 +173,10 @@ def step_peak_memory_mb(run: Run) -> float:
 
 
 def synthetic_data(batch_size: int) -> DataSplits:
-    """Enough examples for Poisson batches of expected size b (q = 1/4)."""
-    size = 4 * batch_size + max(batch_size // 2, 10)  # the validation split takes a tenth
-    return load_data(parse_config({"dataset": "synthetic", "synthetic_size": size}))
+    """A training set of 4 b examples: Poisson batches of expected size b (q = 1/4), and
+    non-private batches of exactly b."""
+    fields = {"dataset": "synthetic", "synthetic_size": 4 * batch_size + 10, "val_size": 10}
+    return load_data(parse_config(fields))
 
 
 def measure_steps(args: argparse.Namespace, model: str, batch_size: int, device) -> list[Row]:

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import sys
 import tempfile
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dpivon.config import OPTIMIZER_NAMES, load_configs, parse_config
+from dpivon.config import field_info, load_configs, parse_assignments, parse_config
 from dpivon.errors import DpivonError
+from dpivon.logs import quiet_known_output
 
 app = typer.Typer(
     add_completion=False,
@@ -28,17 +34,115 @@ console = Console(stderr=True)
 
 
 def user_errors(command: Callable) -> Callable:
-    """Bad input becomes one red line and exit code 2, never a traceback."""
+    """Bad input (a DpivonError or the library's other ValueErrors) becomes one red line
+    and exit code 2, never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except DpivonError as err:
-            console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        except ValueError as err:
+            message = " ".join(str(err).split())  # one line, whatever the message holds
+            console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _flag_type(annotation: Any) -> tuple[type, str]:
+    """The Python type a flag parses to, and the choices of a Literal field."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is Literal:
+        return str, ", ".join(map(str, typing.get_args(annotation)))
+    return annotation, ""
+
+
+def config_flags(*keys: str) -> Callable[[Callable], Callable]:
+    """Give a command one ``--flag`` per flat config key, typed and described by the config
+    tree, plus ``--set PATH=VALUE`` for every other option. The command receives the given
+    ones as ``config_values`` (flat keys; None = not given)."""
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.name != "config_values"]
+        flags = []
+        for key in keys:
+            path, info = field_info(key)
+            flag_type, choices = _flag_type(info.annotation)
+            default = "per optimizer" if info.is_required() else info.default
+            help_text = f"{path}" + (f": {choices}" if choices else "") + f" [default: {default}]"
+            option = typer.Option(help=help_text, show_default=False)
+            flags.append(
+                inspect.Parameter(
+                    key,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[flag_type | None, option],
+                )
+            )
+        assignments = inspect.Parameter(
+            "set_values",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                list[str] | None,
+                typer.Option(
+                    "--set",
+                    metavar="PATH=VALUE",
+                    help="any config option by its path, e.g. --set optimizer.hess_floor=1e-3 "
+                    "(repeatable; values are YAML)",
+                ),
+            ],
+        )
+
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given = {key: kwargs.pop(key) for key in keys}
+            values = {k: v for k, v in given.items() if v is not None}
+            extra = parse_assignments(kwargs.pop("set_values") or [])
+            twice = sorted(set(values) & set(extra))
+            if twice:
+                raise DpivonError(f"{twice[0]} given both as --{twice[0].replace('_', '-')} "
+                                  "and with --set; give it once")  # fmt: skip
+            return command(*args, config_values={**values, **extra}, **kwargs)
+
+        hints = typing.get_type_hints(command, include_extras=True)
+        parameters = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name]) for p in own
+        ]
+        parameters += [*flags, assignments]
+        wrapper.__signature__ = signature.replace(parameters=parameters)
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        return wrapper
+
+    return decorate
+
+
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable]:
+    """A steps-of-training bar on stderr (stdout stays for results): yields the callback
+    that training and audits report their steps to (dpivon.training.StepReport)."""
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+    tasks: dict[str, Any] = {}
+
+    def on_step(report) -> None:
+        if report.task not in tasks:
+            tasks[report.task] = bar.add_task(report.task, total=report.total, status="")
+        bar.update(tasks[report.task], completed=report.done, status=report.status)
+
+    with bar:
+        yield on_step
 
 
 EPOCH_LINE = (
@@ -50,10 +154,6 @@ EPOCH_LINE = (
     "projected_fraction",
     "hess_median",
 )
-
-
-def _given(**flags: Any) -> dict[str, Any]:
-    return {k: v for k, v in flags.items() if v is not None}
 
 
 Opt = Annotated
@@ -79,47 +179,26 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
 @app.callback()
 def root() -> None:
     """dpivon: DP-IVON-Gradsq sweeps and benchmarks (see README.md)."""
+    quiet_known_output()
+
+
+# `dpivon train`'s flags (scripts rely on these names); every other option: --set PATH=VALUE
+TRAIN_FLAGS = (
+    "dataset", "data_path", "model", "optimizer", "epsilon", "delta", "accountant", "engine",
+    "max_grad_norm", "epochs", "batch_size", "lr", "lr_schedule", "hess_init", "beta2",
+    "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "seed",
+    "secure_mode", "device",
+)  # fmt: skip
 
 
 @app.command()
 @user_errors
+@config_flags(*TRAIN_FLAGS)
 def train(
+    config_values: dict[str, Any],
     config: Opt[
         Path | None, typer.Option(help="YAML training config (e.g. from dpivon export)")
     ] = None,
-    dataset: Opt[str | None, typer.Option(help="cifar10 or synthetic")] = None,
-    data_path: Opt[
-        str | None, typer.Option(help="CIFAR-10 tarball/folder (else $DPIVON_DATA)")
-    ] = None,
-    model: Opt[str | None, typer.Option(help="small-cnn, tanh-cnn or wrn-16-4")] = None,
-    optimizer: Opt[str | None, typer.Option(help=", ".join(OPTIMIZER_NAMES))] = None,
-    epsilon: Opt[float | None, typer.Option(help="target epsilon (inf: no noise)")] = None,
-    delta: Opt[float | None, typer.Option()] = None,
-    accountant: Opt[str | None, typer.Option(help="rdp or prv")] = None,
-    engine: Opt[
-        str | None, typer.Option(help="auto, bk, hooks, functorch, ew or ghost (clipping)")
-    ] = None,
-    max_grad_norm: Opt[float | None, typer.Option(help="per-example clip norm C")] = None,
-    epochs: Opt[int | None, typer.Option()] = None,
-    batch_size: Opt[int | None, typer.Option(help="expected batch size b (Poisson)")] = None,
-    lr: Opt[float | None, typer.Option()] = None,
-    lr_schedule: Opt[str | None, typer.Option(help="constant or cosine")] = None,
-    hess_init: Opt[float | None, typer.Option()] = None,
-    beta2: Opt[float | None, typer.Option()] = None,
-    weight_decay: Opt[float | None, typer.Option()] = None,
-    mc_samples: Opt[int | None, typer.Option()] = None,
-    per_class: Opt[int | None, typer.Option(help="training images per class (subset)")] = None,
-    val_size: Opt[int | None, typer.Option()] = None,
-    bma_samples: Opt[int | None, typer.Option(help="posterior samples for BMA (IVON)")] = None,
-    seed: Opt[int | None, typer.Option()] = None,
-    secure_mode: Opt[
-        bool | None,
-        typer.Option(
-            help="DP noise and sampling from OS entropy (never stored), floating-point "
-            "attack defence; off: reproducible by seed"
-        ),
-    ] = None,
-    device: Opt[str | None, typer.Option(help="auto, cpu or cuda")] = None,
     json_path: Opt[Path | None, typer.Option("--json", help="write the flat result here")] = None,
     tracking_uri: Opt[
         str | None, typer.Option(help="MLflow URI (default sqlite:///mlflow.db)")
@@ -132,51 +211,30 @@ def train(
     from dpivon.training import load_data
     from dpivon.training import train as run_training
 
-    overrides = _given(
-        dataset=dataset,
-        data_path=data_path,
-        model=model,
-        optimizer=optimizer,
-        epsilon=epsilon,
-        delta=delta,
-        accountant=accountant,
-        engine=engine,
-        max_grad_norm=max_grad_norm,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        lr_schedule=lr_schedule,
-        hess_init=hess_init,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        mc_samples=mc_samples,
-        per_class=per_class,
-        val_size=val_size,
-        bma_samples=bma_samples,
-        seed=seed,
-        secure_mode=secure_mode,
-        device=device,
-    )
+    overrides = config_values
     configs = (
         load_configs(config, overrides)
         if config is not None
         else [parse_config(overrides, source="options")]
     )
+    epsilon = overrides.get("epsilon")
     for cfg in configs:
         if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
-            console.print(f"[yellow]note:[/] {cfg.optimizer} is not private: --epsilon is ignored")
+            console.print(
+                f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
+            )
     check_outputs(json_path, experiment)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
-        name = f"{cfg.optimizer}-eps{cfg.epsilon:g}"
+        name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
         with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
-            tracker.log_params(run_id, cfg.model_dump(mode="json"))
+            tracker.log_params(run_id, cfg.flat())
             tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
 
-            def log_epoch(report, run_id=run_id, epochs=cfg.epochs) -> None:
+            def log_epoch(report, run_id=run_id, epochs=cfg.training.epochs) -> None:
                 tracker.log_metrics(run_id, report.metrics, step=report.epoch)
                 shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
                 console.print(
@@ -185,9 +243,8 @@ def train(
                     highlight=False,
                 )
 
-            result = run_training(
-                cfg, data=data, on_epoch_end=log_epoch, progress=sys.stderr.isatty()
-            )
+            with progress_bar(sys.stderr.isatty()) as on_step:
+                result = run_training(cfg, data=data, on_epoch_end=log_epoch, on_step=on_step)
             log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])
@@ -236,10 +293,18 @@ def sweep(
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
     from dpivon.search.pipeline import load_pipeline
-    from dpivon.search.sweep import run_sweep, sweep_directory
+    from dpivon.search.sweep import SweepInterrupted, run_sweep, sweep_directory
 
     loaded = load_pipeline(pipeline)
-    trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
+    try:
+        trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
+    except SweepInterrupted as stop:
+        console.print(
+            f"sweep {loaded.name!r} {stop}; the trials keep their checkpoints: finish it "
+            f"with `dpivon sweep {pipeline} --resume`",
+            highlight=False,
+        )
+        raise typer.Exit(stop.exit_code) from None
     counts = trials["status"].value_counts().to_dict()
     console.print(
         f"sweep {loaded.name!r} finished: {counts}; results in "
@@ -367,29 +432,19 @@ def export(
     console.print(f"wrote {len(picked)} config(s) to {out}; run: dpivon train --config {out}")
 
 
+AUDIT_FLAGS = (
+    "optimizer", "dataset", "data_path", "synthetic_size", "model", "epsilon", "delta",
+    "epochs", "batch_size", "max_grad_norm", "lr", "accountant", "seed", "device",
+)  # fmt: skip
+
+
 @app.command()
 @user_errors
+@config_flags(*AUDIT_FLAGS)
 def audit(
-    optimizer: Opt[str, typer.Option(help="a private optimizer (dp-sgd, dp-ivon-gradsq, ...)")],
-    dataset: Opt[str | None, typer.Option(help="synthetic (default) or cifar10")] = None,
-    data_path: Opt[
-        str | None, typer.Option(help="CIFAR-10 tarball/folder (else $DPIVON_DATA)")
-    ] = None,
-    synthetic_size: Opt[
-        int | None, typer.Option(help="synthetic images, train + validation (default 500)")
-    ] = None,
-    model: Opt[str | None, typer.Option(help="small-cnn (default), tanh-cnn, wrn-16-4")] = None,
-    epsilon: Opt[float | None, typer.Option(help="claimed epsilon (default 2)")] = None,
-    delta: Opt[float | None, typer.Option(help="default 1e-5")] = None,
+    config_values: dict[str, Any],
     canaries: Opt[int, typer.Option(help="gradient canaries, each in with probability 1/2")] = 1000,
     confidence: Opt[float, typer.Option(help="confidence of the lower bound")] = 0.95,
-    epochs: Opt[int | None, typer.Option(help="default 5")] = None,
-    batch_size: Opt[int | None, typer.Option(help="expected batch size b (default 50)")] = None,
-    max_grad_norm: Opt[float, typer.Option(help="per-example clip norm C")] = 1.0,
-    lr: Opt[float | None, typer.Option(help="default: the optimizer's")] = None,
-    accountant: Opt[str, typer.Option(help="rdp or prv")] = "rdp",
-    seed: Opt[int, typer.Option()] = 0,
-    device: Opt[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     json_path: Opt[Path | None, typer.Option("--json", help="write the result here")] = None,
     tracking_uri: Opt[
         str | None, typer.Option(help="MLflow URI (default sqlite:///mlflow.db)")
@@ -398,51 +453,37 @@ def audit(
 ) -> None:
     """Empirical privacy audit in one run (Steinke, Nasr & Jagielski 2023): a lower bound on
     epsilon from gradient canaries, and a noise-off control that shows the audit's power.
-    Exit 1 when the lower bound exceeds the claimed epsilon (a privacy violation)."""
+    Exit 1 when the lower bound exceeds the claimed epsilon (a privacy violation).
+
+    Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
     from dpivon.config import PRIVATE_OPTIMIZERS
     from dpivon.privacy.audit import audit_config, run_audit
     from dpivon.tracking import Tracker
 
+    optimizer = config_values.get("optimizer")
     if optimizer not in PRIVATE_OPTIMIZERS:
         raise DpivonError(
-            f"{optimizer!r} is not a private optimizer; audit one of: "
+            f"--optimizer {optimizer} is not a private optimizer; audit one of: "
             + ", ".join(PRIVATE_OPTIMIZERS)
         )
-    if epsilon is not None and not (epsilon > 0 and math.isfinite(epsilon)):
-        raise DpivonError(f"epsilon must be > 0 and finite, got {epsilon}")
-    if delta is not None and not 0 < delta < 1:
-        raise DpivonError(f"delta must be in (0, 1), got {delta}")
+    epsilon = config_values.get("epsilon")
+    if epsilon is not None and not math.isfinite(epsilon):
+        raise DpivonError(
+            f"epsilon must be finite (a run without noise claims nothing), got {epsilon}"
+        )
     if canaries < 1:
         raise DpivonError(f"canaries must be >= 1, got {canaries}")
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
-    cfg = audit_config(
-        **_given(
-            optimizer=optimizer,
-            dataset=dataset,
-            data_path=data_path,
-            synthetic_size=synthetic_size,
-            model=model,
-            epsilon=epsilon,
-            delta=delta,
-            epochs=epochs,
-            batch_size=batch_size,
-            max_grad_norm=max_grad_norm,
-            lr=lr,
-            accountant=accountant,
-            seed=seed,
-            device=device,
-        )
-    )
+    cfg = audit_config(**config_values)
     check_outputs(json_path, experiment)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
-    name = f"audit-{optimizer}-eps{cfg.epsilon:g}"
+    name = f"audit-{optimizer}-eps{cfg.privacy.epsilon:g}"
     with tracker.run(name, tags={"dpivon.kind": "audit"}) as run_id:
-        tracker.log_params(
-            run_id, {**cfg.model_dump(mode="json"), "canaries": canaries, "confidence": confidence}
-        )
-        result = run_audit(cfg, canaries, confidence=confidence, progress=sys.stderr.isatty())
+        tracker.log_params(run_id, {**cfg.flat(), "canaries": canaries, "confidence": confidence})
+        with progress_bar(sys.stderr.isatty()) as on_step:
+            result = run_audit(cfg, canaries, confidence=confidence, on_step=on_step)
         summary = {**result.summary(), "mlflow_run_id": run_id}
         tracker.log_metrics(
             run_id, {k: v for k, v in summary.items() if isinstance(v, int | float)}

@@ -1,267 +1,371 @@
 """The typed configuration of one training run: validated, saved with the run, YAML in/out.
 
+A ``TrainConfig`` is a tree of small sections (data, model, optimizer, training, privacy,
+evaluation, runtime), each declaring its fields' constraints. The optimizer section is the
+options model of the named optimizer (dpivon.optim.registry). Every flat key (``lr``,
+``epsilon``) names one field of the tree, so the CLI, search spaces, ``--json``, MLflow
+params and older flat config files address options by their flat names.
+
 Every optimizer-specific default is filled in at validation time, so a saved or exported
 config is complete: re-running it never depends on a default that might change.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
+from dpivon.constraints import (
+    Bool,
+    Bound,
+    Count,
+    Float,
+    Int,
+    NonNegativeFloat,
+    PositiveFloat,
+    Probability,
+)
 from dpivon.errors import DpivonError
-
-PRIVATE_OPTIMIZERS = (
-    "dp-ivon-gradsq",
-    "dp-ivon-gradsq-uncorrected",
-    "dp-ivon",
-    "dp-sgd",
-    "dp-adam",
-    "dp-adambc",
-)
-NONPRIVATE_OPTIMIZERS = ("ivon", "sgd", "adam")
-OPTIMIZER_NAMES = PRIVATE_OPTIMIZERS + NONPRIVATE_OPTIMIZERS
-IVON_FAMILY = ("ivon", "dp-ivon-gradsq", "dp-ivon-gradsq-uncorrected", "dp-ivon")
-
-# IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
-# needs a far larger lr: its step is about lr * g_dp while h stays near hess_init.
-_IVON_DEFAULTS = dict(hess_init=0.5, beta2=0.99999, weight_decay=2e-4, hess_floor=0.0)
-# The paper's per-step v_hat; the other estimators answer its collapse (dpivon.optim.ivon).
-_GRADSQ_DEFAULTS = dict(
-    hess_approx="gradsq",
-    curvature_estimator="per-step",
-    curvature_ema=0.99,
-    curvature_pool="tensor",
-)
-OPTIMIZER_DEFAULTS: dict[str, dict[str, float | str]] = {
-    "sgd": dict(lr=0.1, momentum=0.9, weight_decay=5e-4),
-    "adam": dict(lr=2e-3, beta2=0.999, weight_decay=0.0),
-    "ivon": dict(lr=0.2, hess_approx="price", **_IVON_DEFAULTS),
-    "dp-sgd": dict(lr=0.5, momentum=0.9, weight_decay=0.0),
-    "dp-adam": dict(lr=2e-3, beta2=0.999, weight_decay=0.0),
-    # The authors' CIFAR-10 CNN setting (lr 5e-6, gamma' 1e-9, with C 3 and batch 1024):
-    # gamma' bounds 1 / sqrt(v_corr), so the lr sits far below DP-Adam's.
-    "dp-adambc": dict(lr=5e-6, beta2=0.999, weight_decay=0.0, second_moment_floor=1e-9),
-    "dp-ivon-gradsq": dict(lr=3.0, **_GRADSQ_DEFAULTS, **_IVON_DEFAULTS),
-    "dp-ivon-gradsq-uncorrected": dict(lr=3.0, **_GRADSQ_DEFAULTS, **_IVON_DEFAULTS),
-    "dp-ivon": dict(lr=3.0, hess_approx="price", **_IVON_DEFAULTS),
-}
-# The private IVON variants are defined by their estimator; only plain IVON may choose.
-_FIXED_ESTIMATOR = {"dp-ivon-gradsq", "dp-ivon-gradsq-uncorrected", "dp-ivon"}
-# Options of some optimizers only: setting one for another optimizer is an error, not a no-op.
-_OPTIMIZER_SPECIFIC = (
-    "curvature_estimator",
-    "curvature_ema",
-    "curvature_pool",
-    "hess_floor",
-    "second_moment_floor",
+from dpivon.optim.registry import (
+    OPTIMIZER_NAMES,
+    OPTIMIZERS,
+    OPTION_NAMES,
+    PRIVATE_OPTIMIZERS,
+    OptimizerOptions,
+    optimizer_options,
 )
 
+__all__ = [  # the optimizer names are the registry's, re-exported for config users
+    "FLAT_KEYS",
+    "OPTIMIZER_NAMES",
+    "PRIVATE_OPTIMIZERS",
+    "SECTIONS",
+    "TrainConfig",
+    "TuningCost",
+    "config_key",
+    "field_info",
+    "format_validation_error",
+    "load_configs",
+    "parse_assignments",
+    "parse_config",
+    "read_yaml_mapping",
+]
 
+CIFAR10_TRAIN_IMAGES = 50_000
+CIFAR10_CLASSES = 10
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
 
-class TuningCost(BaseModel):
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class DataConfig(Section):
+    """Which images a run trains and validates on."""
+
+    dataset: Literal["cifar10", "synthetic"] = "cifar10"
+    data_path: str | None = None  # CIFAR-10 tarball or folder; None: $DPIVON_DATA, the cache
+    val_size: Count  # default: 5000 for cifar10, a tenth of synthetic_size
+    per_class: Count | None = None  # a class-balanced subset of the training images
+    synthetic_size: Annotated[Int, Bound(ge=CIFAR10_CLASSES)] = 2000
+    data_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_val_size(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("val_size") is None:
+            size = data.get("synthetic_size", cls.model_fields["synthetic_size"].default)
+            synthetic = data.get("dataset") == "synthetic" and isinstance(size, int)
+            data = {**data, "val_size": size // 10 if synthetic else 5000}
+        return data
+
+    @model_validator(mode="after")
+    def _fits(self) -> DataConfig:
+        total = self.total_train_images
+        if not self.val_size < total:
+            raise ValueError(
+                f"val_size ({self.val_size}) must be below the {total} training "
+                f"images of {self.dataset}"
+            )
+        if self.per_class is not None:
+            available = (total - self.val_size) // CIFAR10_CLASSES
+            if self.per_class > available:
+                raise ValueError(
+                    f"per_class {self.per_class} exceeds the about {available} images per "
+                    f"class left after the validation split; pass per_class <= {available}"
+                )
+        return self
+
+    @property
+    def total_train_images(self) -> int:
+        """Images of the training part before the validation split."""
+        return self.synthetic_size if self.dataset == "synthetic" else CIFAR10_TRAIN_IMAGES
+
+    @property
+    def train_size(self) -> int:
+        """Images a run trains on (what the sampling rate q = batch_size / N refers to)."""
+        if self.per_class is not None:
+            return self.per_class * CIFAR10_CLASSES
+        return self.total_train_images - self.val_size
+
+
+class ModelConfig(Section):
+    name: str = "tanh-cnn"
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from dpivon.models import MODEL_NAMES  # imports torch: only when a model is named
+
+        if name not in MODEL_NAMES:
+            raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        return name
+
+
+class TrainingConfig(Section):
+    epochs: Count = 10
+    batch_size: Count = 256  # expected batch size b of Poisson sampling (private runs)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+
+
+class TuningCost(Section):
     """What choosing this config cost: the tuning sweep's quoted bound over the same records.
 
     Written by ``dpivon export``; a production run composes its own training with
     ``quoted_rdp`` (RDP on dpivon.privacy.tuning.ORDERS) to state what covers its release.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     sweep: str
     group: str
-    quoted_epsilon: float
+    quoted_epsilon: Float
     quote: str
     release: str
     records_covered: str
-    quoted_rdp: list[float]
+    quoted_rdp: list[Float]
+
+
+class PrivacyConfig(Section):
+    """The training's (epsilon, delta) budget and how it is spent. Private optimizers only."""
+
+    epsilon: Annotated[Float, Bound(gt=0)] = 8.0  # inf: no noise
+    delta: Probability = 1e-5
+    max_grad_norm: PositiveFloat = 1.0  # the per-example clip norm C
+    accountant: Literal["rdp", "prv"] = "rdp"
+    # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
+    # (book-keeping) where it is exact for the model and one MC sample, else Opacus hooks.
+    engine: Literal["auto", "bk", "hooks", "functorch", "ew", "ghost"] = "auto"
+    # Noise and Poisson sampling from OS entropy (never stored) with Opacus's floating-point
+    # attack defence; off, they follow the seed and are reproducible by anyone who knows it.
+    secure_mode: Bool = False
+    tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
+
+
+class EvaluationConfig(Section):
+    bma_samples: Annotated[Int, Bound(ge=0)] = 16  # posterior samples of IVON's BMA
+    ece_bins: Count = 15
+    # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
+    # records that steer selection); 0: exact scores, validation records unprotected.
+    val_noise_multiplier: NonNegativeFloat = 0.0
+
+
+class RuntimeConfig(Section):
+    # initialisation, posterior draws, batches and (unless secure_mode) the DP noise
+    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if _DEVICE.fullmatch(device) is None:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        return device
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optimizer": OptimizerOptions,
+    "training": TrainingConfig,
+    "privacy": PrivacyConfig,
+    "evaluation": EvaluationConfig,
+    "runtime": RuntimeConfig,
+}
+# The flat key of every option: the field's own name (unique over the tree), or for a
+# section's `name` the section's name (`optimizer: dp-sgd`, `model: wrn-16-4`).
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    **{
+        (section if name == "name" else name): (section, name)
+        for section, model in SECTIONS.items()
+        if section != "optimizer"
+        for name in model.model_fields
+    },
+    "optimizer": ("optimizer", "name"),
+    **{name: ("optimizer", name) for name in OPTION_NAMES},
+}
+# Keys that older flat configs hold with a value that now means "not set": a test hook
+# (fail_at_epoch) and options of other optimizer families, which those files listed for
+# every optimizer at their old global defaults.
+_RETIRED_FLAT_VALUES = {
+    "fail_at_epoch": (None,),
+    "beta1": (None, 0.9),
+    "mc_samples": (None, 1),
+    "clip_radius": (None, math.inf),
+    "rescale_lr": (None, True),
+    "debias": (None, True),
+}
+
+
+def config_key(name: str) -> str:
+    """The flat key that ``name`` (a flat key such as ``lr`` or a path such as
+    ``optimizer.lr``) denotes; ValueError naming the closest keys when there is none."""
+    if name in FLAT_KEYS:
+        return name
+    section, _, field_name = name.partition(".")
+    if section in SECTIONS:
+        for flat, location in FLAT_KEYS.items():
+            if location == (section, field_name):
+                return flat
+    paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
+    close = difflib.get_close_matches(name, paths, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"{name!r} is not a TrainConfig field{hint}")
+
+
+def field_info(key: str) -> tuple[str, FieldInfo]:
+    """The dotted path and the declaration of the field a flat key or path names."""
+    section, name = FLAT_KEYS[config_key(key)]
+    if section != "optimizer":
+        return f"{section}.{name}", SECTIONS[section].model_fields[name]
+    owner = next(s.options for s in OPTIMIZERS.values() if name in s.options.model_fields)
+    return f"optimizer.{name}", owner.model_fields[name]
+
+
+def parse_assignments(assignments: list[str]) -> dict[str, Any]:
+    """``["optimizer.lr=0.5", "hess_floor=1e-3"]`` as flat keys with YAML-typed values."""
+    values: dict[str, Any] = {}
+    for assignment in assignments:
+        key, equals, text = assignment.partition("=")
+        if not equals or not key.strip():
+            raise DpivonError(f"--set takes PATH=VALUE (e.g. optimizer.lr=0.5), got {assignment!r}")
+        try:
+            flat = config_key(key.strip())
+            value = yaml.load(text, Loader=_YamlLoader)
+        except ValueError as err:
+            raise DpivonError(f"--set {assignment}: {err}") from None
+        except yaml.YAMLError:
+            raise DpivonError(f"--set {assignment}: {text!r} is not a YAML value") from None
+        values[flat] = value
+    return values
 
 
 class TrainConfig(BaseModel):
-    """One training run. ``None`` hyper-parameters take the optimizer's default."""
+    """One training run: a tree of sections. Built from the tree (what ``to_yaml`` writes)
+    or from flat keys (``lr``, ``optimizer``: what the CLI, search spaces, ``--json`` and
+    MLflow params use); an unset optimizer option takes that optimizer's default.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # data
-    dataset: Literal["cifar10", "synthetic"] = "cifar10"
-    data_path: str | None = None
-    val_size: int | None = None  # default: 5000 for cifar10, a tenth of synthetic_size
-    per_class: int | None = None
-    synthetic_size: int = 2000
-    # model
-    model: str = "tanh-cnn"
-    # optimizer
-    optimizer: str = "dp-ivon-gradsq"
-    lr: float | None = None
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    weight_decay: float | None = None
-    momentum: float | None = None
-    beta1: float = 0.9
-    beta2: float | None = None
-    hess_approx: Literal["price", "gradsq"] | None = None
-    hess_init: float | None = None
-    ess: float | None = None
-    mc_samples: int = 1
-    clip_radius: float = math.inf
-    rescale_lr: bool = True
-    debias: bool = True
-    # DP-IVON-Gradsq: how v_hat is estimated from g_dp (see dpivon.optim.ivon); all are
-    # post-processing of g_dp, none costs privacy
-    curvature_estimator: Literal["per-step", "ema-corrected", "pooled", "shrinkage"] | None = None
-    curvature_ema: float | None = None  # ema-corrected: moving-average rate of g_dp^2
-    curvature_pool: Literal["tensor", "channel"] | None = None  # pooled and shrinkage
-    hess_floor: float | None = None  # IVON family: keeps h >= hess_floor (0: no floor)
-    second_moment_floor: float | None = None  # dp-adambc: gamma' in max(v_hat - s^2, gamma')
-    # training
-    epochs: int = 10
-    batch_size: int = 256
-    # privacy
-    epsilon: float = 8.0
-    delta: float = 1e-5
-    max_grad_norm: float = 1.0
-    accountant: Literal["rdp", "prv"] = "rdp"
-    # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
-    # (book-keeping) where it is exact for the model and mc_samples == 1, else Opacus hooks.
-    engine: Literal["auto", "bk", "hooks", "functorch", "ew", "ghost"] = "auto"
-    # Noise and Poisson sampling from OS entropy (never stored) with Opacus's floating-point
-    # attack defence; off, they follow `seed` and are reproducible by anyone who knows it.
-    secure_mode: bool = False
-    tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
-    # evaluation
-    bma_samples: int = 16
-    ece_bins: int = 15
-    # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
-    # records that steer selection); 0: exact scores, validation records unprotected.
-    val_noise_multiplier: float = 0.0
-    # reproducibility and testing
-    seed: int = 0  # training: initialisation, posterior draws, batches and (unless secure) noise
-    data_seed: int | None = None  # the train/validation split; None = seed
-    device: str = "auto"
-    fail_at_epoch: int | None = None  # raises after that epoch: exercises failure handling
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    optimizer: SerializeAsAny[OptimizerOptions]
+    training: TrainingConfig = TrainingConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="before")
     @classmethod
-    def _fill_optimizer_defaults(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
+    def _as_tree(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
             return data
-        name = data.get("optimizer", cls.model_fields["optimizer"].default)
-        if name not in OPTIMIZER_DEFAULTS:
-            raise ValueError(
-                f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
-            )
-        filled = dict(data)
-        if filled.get("val_size") is None:
-            synthetic = filled.get("dataset") == "synthetic"
-            filled["val_size"] = (
-                int(filled.get("synthetic_size", 2000)) // 10 if synthetic else 5000
-            )
-        fixed = OPTIMIZER_DEFAULTS[name].get("hess_approx")
-        given = filled.get("hess_approx")
-        if name in _FIXED_ESTIMATOR and given is not None and given != fixed:
-            raise ValueError(
-                f"{name} uses the {fixed} estimator; hess_approx={given!r} "
-                "contradicts it (use optimizer ivon to choose freely)"
-            )
-        foreign = [
-            k
-            for k in _OPTIMIZER_SPECIFIC
-            if filled.get(k) is not None and k not in OPTIMIZER_DEFAULTS[name]
-        ]
-        if foreign:
-            owners = [o for o in OPTIMIZER_NAMES if foreign[0] in OPTIMIZER_DEFAULTS[o]]
-            raise ValueError(
-                f"{foreign[0]} does not apply to {name}; it is an option of {', '.join(owners)}"
-            )
-        for key, value in OPTIMIZER_DEFAULTS[name].items():
-            if filled.get(key) is None:
-                filled[key] = value
-        return filled
+        tree: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in SECTIONS and isinstance(value, Mapping | BaseModel):
+                given = value.model_dump() if isinstance(value, BaseModel) else value
+                tree.setdefault(key, {}).update(given)
+            elif key in FLAT_KEYS or "." in str(key):
+                try:
+                    section, field_name = FLAT_KEYS[config_key(str(key))]
+                except ValueError:
+                    tree[key] = value  # extra="forbid" names it
+                    continue
+                tree.setdefault(section, {})[field_name] = value
+            elif value not in _RETIRED_FLAT_VALUES.get(key, ()):
+                tree[key] = value
+        # options of another family that an older flat file holds at the old defaults
+        name = tree.get("optimizer", {}).get("name", "dp-ivon-gradsq")
+        fields = OPTIMIZERS[name].options.model_fields if name in OPTIMIZERS else {}
+        tree["optimizer"] = {
+            k: v
+            for k, v in tree.get("optimizer", {}).items()
+            if k in fields or v not in _RETIRED_FLAT_VALUES.get(k, (None,))
+        }
+        return tree
 
-    @model_validator(mode="before")
+    @field_validator("optimizer", mode="before")
     @classmethod
-    def _no_booleans_for_numbers(cls, data: Any) -> Any:
-        """YAML reads `yes` as true, which pydantic would take as the number 1."""
-        if isinstance(data, dict):
-            for key, value in data.items():
-                field = cls.model_fields.get(key)
-                wants_bool = field is not None and field.annotation in (bool, bool | None)
-                if isinstance(value, bool) and field is not None and not wants_bool:
-                    raise ValueError(
-                        f"{key} takes no boolean, got {value!r} (YAML reads yes/no/on/off "
-                        "as booleans; write the value itself)"
-                    )
-        return data
+    def _optimizer_options(cls, value: Any) -> Any:
+        if isinstance(value, OptimizerOptions):
+            value = value.model_dump()
+        return optimizer_options(value) if isinstance(value, Mapping) else value
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> TrainConfig:
-        checks = [
-            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.epsilon > 0, f"epsilon must be > 0 (inf = non-private), got {self.epsilon}"),
-            (0 < self.delta < 1, f"delta must be in (0, 1), got {self.delta}"),
-            (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
-            (self.lr is not None and self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (self.mc_samples >= 1, f"mc_samples must be >= 1, got {self.mc_samples}"),
-            (self.bma_samples >= 0, f"bma_samples must be >= 0, got {self.bma_samples}"),
-            (self.ece_bins >= 1, f"ece_bins must be >= 1, got {self.ece_bins}"),
-            (self.val_noise_multiplier >= 0, "val_noise_multiplier must be >= 0"),
-            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
-            (self.val_size >= 1, f"val_size must be >= 1, got {self.val_size}"),
-            (self.hess_init is None or self.hess_init > 0, "hess_init must be > 0"),
-            (self.beta2 is None or 0 <= self.beta2 < 1, "beta2 must be in [0, 1)"),
-            (self.ess is None or self.ess > 0, "ess must be > 0"),
-            (
-                self.weight_decay is None or self.weight_decay >= 0,
-                f"weight_decay must be >= 0, got {self.weight_decay}",
-            ),
-            (
-                self.momentum is None or 0 <= self.momentum < 1,
-                f"momentum must be in [0, 1), got {self.momentum}",
-            ),
-            (
-                _DEVICE.fullmatch(self.device) is not None,
-                f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
-            ),
-            (
-                self.curvature_ema is None or 0 <= self.curvature_ema < 1,
-                "curvature_ema must be in [0, 1)",
-            ),
-            (self.hess_floor is None or self.hess_floor >= 0, "hess_floor must be >= 0"),
-            (
-                self.second_moment_floor is None or self.second_moment_floor > 0,
-                "second_moment_floor must be > 0 (gamma' keeps 1 / sqrt(v_corr) finite)",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        if self.optimizer == "dp-ivon" and self.mc_samples != 1:
-            raise ValueError("dp-ivon (price estimator) supports mc_samples=1 only")
-        if self.is_private and self.engine in ("bk", "ghost") and self.mc_samples > 1:
+    def _check_across_sections(self) -> TrainConfig:
+        one_backward = self.privacy.engine in ("bk", "ghost")
+        if self.is_private and one_backward and self.optimizer.samples_per_step > 1:
             raise ValueError(
-                f"engine {self.engine} clips one backward pass; mc_samples > 1 averages each "
-                "example's gradient over posterior samples first: use engine hooks or auto"
+                f"engine {self.privacy.engine} clips one backward pass; mc_samples > 1 "
+                "averages each example's gradient over posterior samples first: use "
+                "engine hooks or auto"
             )
         return self
 
     @property
     def is_private(self) -> bool:
-        return self.optimizer in PRIVATE_OPTIMIZERS
-
-    @property
-    def split_seed(self) -> int:
-        return self.seed if self.data_seed is None else self.data_seed
+        return OPTIMIZERS[self.optimizer.name].private
 
     @property
     def is_ivon(self) -> bool:
-        return self.optimizer in IVON_FAMILY
+        """An IVON posterior: BMA evaluation and a logged posterior."""
+        return OPTIMIZERS[self.optimizer.name].ivon
+
+    @property
+    def split_seed(self) -> int:
+        """The train/validation split's seed: data_seed, else the run's seed."""
+        return self.runtime.seed if self.data.data_seed is None else self.data.data_seed
+
+    def flat(self) -> dict[str, Any]:
+        """The config as flat keys (JSON values): MLflow params, ``--json``, trial configs."""
+        tree = self.model_dump(mode="json")
+        return {
+            flat: tree[section][name]
+            for flat, (section, name) in FLAT_KEYS.items()
+            if name in tree[section]
+        }
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with flat-key ``changes`` (a new optimizer drops the options of
+        the old one)."""
+        flat = self.flat()
+        if changes.get("optimizer", self.optimizer.name) != self.optimizer.name:
+            flat = {k: v for k, v in flat.items() if FLAT_KEYS[k][0] != "optimizer"}
+        return TrainConfig.model_validate({**flat, **changes})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -295,12 +399,37 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-6`` and ``1E+3`` as floats.
+
+    YAML 1.1 (what PyYAML implements) wants a dot in a float's mantissa, so ``1e-6`` would
+    be the string "1e-6"; YAML 1.2 and every user read it as a number.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
 def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise DpivonError(f"file not found: {path}")
     try:
-        return yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as err:
+        raise DpivonError(f"cannot read {path} as UTF-8 text: {err}") from None
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -309,11 +438,22 @@ def _read_yaml(path: str | Path) -> Any:
 
 
 def format_validation_error(err: ValidationError) -> str:
+    """The errors of one validation as one line: ``where: what`` for each."""
     parts = []
     for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"])
+        # sections and union members are noise in a location: `optimizer.lr`, not
+        # `optimizer.function-after[...].lr`
+        loc = [str(x) for x in e["loc"] if not str(x).startswith(("function-", "tagged-union"))]
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             message = "unknown key"
+        elif isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
+            message = (
+                f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "
+                "reads yes/no/on/off as booleans; write the value itself)"
+            )
+        if loc and message.startswith(f"{loc[-1]} "):
+            loc = []  # the message names the field itself ("lr must be > 0, got 0")
+        where = ".".join(loc)
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)

@@ -8,7 +8,6 @@ default store is MLflow's own: ``sqlite:///mlflow.db`` in the working directory.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 import time
@@ -37,9 +36,6 @@ from dpivon.models import build_model
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
 _MAX_BATCH = 100  # MLflow's limit of params / metrics per log_batch call
-# Progress bars for kilobyte-sized artifact copies only clutter the logs.
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
@@ -191,7 +187,7 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
     state = torch.load(path, map_location="cpu", weights_only=True)
     config = TrainConfig.model_validate(state["config"])
-    model = build_model(config.model)
+    model = build_model(config.model.name)
     model.load_state_dict(state["model_state"])
     posterior = Posterior.from_state_dict(state["posterior"]) if state["posterior"] else None
     return config, model, posterior
@@ -211,10 +207,10 @@ class PosteriorClassifier(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> np.ndarray:
         images = torch.as_tensor(np.asarray(model_input, dtype=np.float32))
-        samples = int((params or {}).get("bma_samples", self.config.bma_samples))
+        samples = int((params or {}).get("bma_samples", self.config.evaluation.bma_samples))
         if self.posterior is None or samples == 0:
             return predict_probs(self.model, images).numpy()
-        generator = torch.Generator().manual_seed(self.config.seed)
+        generator = torch.Generator().manual_seed(self.config.runtime.seed)
         return predict_bma(self.model, self.posterior, images, samples, generator=generator).numpy()
 
 
@@ -222,7 +218,7 @@ def _model_signature(config: TrainConfig) -> ModelSignature:
     return ModelSignature(
         inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, 32, 32))]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 10))]),
-        params=ParamSchema([ParamSpec("bma_samples", "long", config.bma_samples)]),
+        params=ParamSchema([ParamSpec("bma_samples", "long", config.evaluation.bma_samples)]),
     )
 
 
@@ -261,12 +257,12 @@ def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bo
         for k, v in summary.items()
         if k.startswith("test_") or k in ("wall_time_s", "tuning_epsilon", "epsilon_with_tuning")
     }
-    tracker.log_metrics(run_id, final, step=result.config.epochs)
+    tracker.log_metrics(run_id, final, step=result.config.training.epochs)
     tracker.log_dict(run_id, summary, "summary.json")
     tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")
     if result.test_reliability is not None:
         figure = plot_reliability_diagram(
-            result.test_reliability, title=f"{result.config.optimizer}: test reliability"
+            result.test_reliability, title=f"{result.config.optimizer.name}: test reliability"
         )
         tracker.log_figure(run_id, figure, "reliability_diagram.png")
     if with_model:

@@ -10,14 +10,11 @@ from __future__ import annotations
 import math
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
 from dpivon.config import TrainConfig
@@ -38,21 +35,22 @@ from dpivon.privacy.engine import (
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
 
-# Known, understood warnings that would otherwise flood every run's output.
-for _message in (
-    "Secure RNG turned off",  # Opacus: fine for research; use secure_mode for release
-    "Optimal order is the largest alpha",  # RDP: harmless at these budgets
-    "Full backward hook is firing",  # torch: inputs need no grad, per-sample grads are exact
-):
-    warnings.filterwarnings("ignore", message=f".*{_message}")
-
 
 class TrainingDiverged(DpivonError):
     """The loss became NaN or infinite."""
 
 
-class InjectedFailure(RuntimeError):
-    """Raised on purpose by ``fail_at_epoch`` to exercise failure handling."""
+@dataclass(frozen=True)
+class StepReport:
+    """What a progress display sees after each training step."""
+
+    task: str
+    done: int  # steps so far, of `total`
+    total: int
+    status: str
+
+
+StepCallback = Callable[[StepReport], None]
 
 
 @dataclass
@@ -84,21 +82,21 @@ class TrainResult:
         """Flat, JSON-ready record of the run (the ``--json`` output)."""
         c, plan = self.config, self.privacy
         out: dict[str, float | int | str | None] = {
-            "optimizer": c.optimizer,
-            "model": c.model,
-            "dataset": c.dataset,
-            "epochs": c.epochs,
-            "lr": c.lr,
+            "optimizer": c.optimizer.name,
+            "model": c.model.name,
+            "dataset": c.data.dataset,
+            "epochs": c.training.epochs,
+            "lr": c.optimizer.lr,
             "target_epsilon": plan.target_epsilon if plan else None,
             "epsilon_spent": self.epsilon_spent,
-            "delta": c.delta if plan else None,
+            "delta": c.privacy.delta if plan else None,
             "accountant": plan.accountant if plan else None,
             "noise_multiplier": plan.noise_multiplier if plan else 0.0,
             "sample_rate": plan.sample_rate if plan else None,
             "steps": self.steps,
-            "max_grad_norm": c.max_grad_norm if plan else None,
+            "max_grad_norm": c.privacy.max_grad_norm if plan else None,
             "engine": self.engine,
-            "batch_size": c.batch_size,
+            "batch_size": c.training.batch_size,
             "wall_time_s": self.wall_time_s,
         }
         out.update(self.tuning_summary())
@@ -108,18 +106,17 @@ class TrainResult:
         out.update(self.extra)
         return {k: _json_number(v) for k, v in out.items()}
 
-
     def tuning_summary(self) -> dict[str, float | str]:
         """What this run's epsilon covers; for a config chosen by a sweep also the tuning
         epsilon and its composition with this run, which covers the released model (both
         used the same records)."""
-        tuning, plan = self.config.tuning, self.privacy
+        tuning, plan = self.config.privacy.tuning, self.privacy
         if plan is None:
             return {}
         if tuning is None:
             validation = (
                 "validation scores are noised (validation records covered too)"
-                if self.config.val_noise_multiplier > 0
+                if self.config.evaluation.val_noise_multiplier > 0
                 else "the validation scores are exact (validation records unprotected)"
             )
             return {
@@ -165,12 +162,12 @@ def resolve_device(name: str) -> torch.device:
 
 def load_data(config: TrainConfig) -> DataSplits:
     return load_splits(
-        config.dataset,
-        data_path=config.data_path,
-        val_size=config.val_size,
-        per_class=config.per_class,
+        config.data.dataset,
+        data_path=config.data.data_path,
+        val_size=config.data.val_size,
+        per_class=config.data.per_class,
         seed=config.split_seed,
-        synthetic_sizes=(config.synthetic_size, max(config.synthetic_size // 5, 10)),
+        synthetic_sizes=(config.data.synthetic_size, max(config.data.synthetic_size // 5, 10)),
     )
 
 
@@ -196,34 +193,34 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
     """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
     features, labels = (t.to(device) for t in data.train.tensors)
     n_train = len(labels)
-    if config.batch_size > n_train:
+    if config.training.batch_size > n_train:
         raise DpivonError(
-            f"batch size {config.batch_size} is larger than the training set ({n_train} "
+            f"batch size {config.training.batch_size} is larger than the training set ({n_train} "
             "examples); lower --batch-size or use more data"
         )
-    model = build_model(config.model).to(device)
+    model = build_model(config.model.name).to(device)
     plan = None
     if config.is_private:
         plan = plan_privacy(
-            target_epsilon=config.epsilon,
-            delta=config.delta,
-            max_grad_norm=config.max_grad_norm,
-            accountant=config.accountant,
+            target_epsilon=config.privacy.epsilon,
+            delta=config.privacy.delta,
+            max_grad_norm=config.privacy.max_grad_norm,
+            accountant=config.privacy.accountant,
             dataset_size=n_train,
-            batch_size=config.batch_size,
-            epochs=config.epochs,
+            batch_size=config.training.batch_size,
+            epochs=config.training.epochs,
         )
     optimizer = build_optimizer(
-        config,
+        config.optimizer,
         model.parameters(),
         dataset_size=n_train,
         grad_noise_std=plan.grad_noise_std if plan else 0.0,
     )
     ivon = optimizer if isinstance(optimizer, IVON) else None
-    generator = privacy_generator(config.seed, device, secure=config.secure_mode)
+    generator = privacy_generator(config.runtime.seed, device, secure=config.privacy.secure_mode)
     if plan is None:
         loader = ShuffledBatches(
-            features, labels, batch_size=config.batch_size, generator=generator
+            features, labels, batch_size=config.training.batch_size, generator=generator
         )
         return TrainingSetup(
             model, model, optimizer, nn.CrossEntropyLoss(), ivon, loader, generator, None
@@ -234,9 +231,9 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         features,
         labels,
         plan,
-        engine=config.engine,
+        engine=config.privacy.engine,
         generator=generator,
-        secure_mode=config.secure_mode,
+        secure_mode=config.privacy.secure_mode,
     )
     return TrainingSetup(
         model,
@@ -251,11 +248,11 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
 
 
 def _lr_scheduler(config: TrainConfig, setup: TrainingSetup) -> torch.optim.lr_scheduler.LambdaLR:
-    total = max(config.epochs * len(setup.loader), 1)
+    total = max(config.training.epochs * len(setup.loader), 1)
     base = setup.ivon if setup.ivon is not None else setup.optimizer
     if isinstance(base, torch.optim.Optimizer) and hasattr(base, "original_optimizer"):
         base = base.original_optimizer
-    if config.lr_schedule == "cosine":
+    if config.training.lr_schedule == "cosine":
         return torch.optim.lr_scheduler.LambdaLR(
             base, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
         )
@@ -306,7 +303,6 @@ def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list
         "epoch": epoch,
         "model": setup.model.state_dict(),
         "optimizer": setup.optimizer.state_dict(),
-        "ivon_step": setup.ivon.current_step if setup.ivon is not None else None,
         "scheduler": scheduler.state_dict(),
         "accountant": setup.private.accountant.state_dict() if setup.private else None,
         "rng": _rng_states(setup),
@@ -317,8 +313,6 @@ def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list
 def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[dict]]:
     setup.model.load_state_dict(state["model"])
     setup.optimizer.load_state_dict(state["optimizer"])
-    if setup.ivon is not None:
-        setup.ivon.current_step = state["ivon_step"]
     scheduler.load_state_dict(state["scheduler"])
     if setup.private is not None:
         setup.private.accountant.load_state_dict(state["accountant"])
@@ -331,29 +325,24 @@ def _posterior(setup: TrainingSetup) -> Posterior | None:
 
 
 def _evaluate(config: TrainConfig, setup: TrainingSetup, dataset, posterior) -> Evaluation:
-    return evaluate(setup.model, dataset, posterior=posterior, bma_samples=config.bma_samples,
-                    n_bins=config.ece_bins, seed=config.seed)
+    return evaluate(
+        setup.model,
+        dataset,
+        posterior=posterior,
+        bma_samples=config.evaluation.bma_samples,
+        n_bins=config.evaluation.ece_bins,
+        seed=config.runtime.seed,
+    )
 
 
 def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluation) -> dict:
     """The validation scores a run releases: exact, or with ``val_noise_multiplier`` only
     the Gaussian-noised accuracy and ECE (the exact ones, NLL and Brier are not released)."""
-    if config.val_noise_multiplier == 0:
+    if config.evaluation.val_noise_multiplier == 0:
         return val.metrics
-    diagram = reliability_diagram(val.probs, val.labels, config.ece_bins)
-    return private_validation_scores(diagram, config.val_noise_multiplier, setup.generator)
-
-
-def progress_bar(enabled: bool) -> Progress:
-    """The steps-of-training bar, on stderr (stdout stays for results)."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
+    diagram = reliability_diagram(val.probs, val.labels, config.evaluation.ece_bins)
+    return private_validation_scores(
+        diagram, config.evaluation.val_noise_multiplier, setup.generator
     )
 
 
@@ -364,12 +353,12 @@ def train(
     on_epoch_end: Callable[[EpochReport], None] | None = None,
     resume_state: dict | None = None,
     evaluate_test: bool = True,
-    progress: bool = False,
+    on_step: StepCallback | None = None,
 ) -> TrainResult:
     """Train ``config`` and evaluate it; see the module docstring for the pipeline."""
     started = time.perf_counter()
-    seed_everything(config.seed)
-    device = resolve_device(config.device)
+    seed_everything(config.runtime.seed)
+    device = resolve_device(config.runtime.device)
     data = data if data is not None else load_data(config)
     setup = build_training(config, data, device)
     scheduler = _lr_scheduler(config, setup)
@@ -379,56 +368,57 @@ def train(
     posterior = None
     val: dict[str, float] | None = None
 
-    with progress_bar(progress) as bar:
-        task = bar.add_task(config.optimizer, total=config.epochs * len(setup.loader), status="")
-        bar.advance(task, first_epoch * len(setup.loader))
-        for epoch in range(first_epoch + 1, config.epochs + 1):
-            setup.trained_module.train()
-            losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
-            for x, y in setup.loader:
-                loss = train_step(setup, x.to(device), y.to(device), config.mc_samples)
-                if len(y) and not math.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"training diverged at epoch {epoch}: loss is {loss}; lower the "
-                        f"learning rate (lr={config.lr})"
-                    )
-                losses.append(loss)
-                step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
-                scheduler.step()
-                bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
+    total_steps = config.training.epochs * len(setup.loader)
+    done = first_epoch * len(setup.loader)
 
-            posterior = _posterior(setup)
-            val = _validation_scores(config, setup, _evaluate(config, setup, data.val, posterior))
-            metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
-            metrics.update({f"val_{k}": v for k, v in val.items()})
-            if setup.private is not None:
-                plan = setup.private.plan
-                metrics.update(
-                    epsilon_spent=setup.private.epsilon_spent(),
-                    noise_multiplier=plan.noise_multiplier,
-                    sample_rate=plan.sample_rate,
-                    steps=setup.private.steps_taken,
+    def report_step(status: str) -> None:
+        if on_step is not None:
+            on_step(StepReport(config.optimizer.name, done, total_steps, status))
+
+    for epoch in range(first_epoch + 1, config.training.epochs + 1):
+        setup.trained_module.train()
+        losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
+        for x, y in setup.loader:
+            loss = train_step(setup, x.to(device), y.to(device), config.optimizer.samples_per_step)
+            if len(y) and not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"training diverged at epoch {epoch}: loss is {loss}; lower the "
+                    f"learning rate (lr={config.optimizer.lr})"
                 )
-            if setup.ivon is not None:
-                metrics.update(setup.ivon.curvature_diagnostics())
-                # per-step diagnostics (projected_fraction, curvature_update_share) as epoch
-                # means rather than the last step's values
-                last = step_diagnostics[-1] if step_diagnostics else {}
-                metrics.update({k: float(np.mean([d[k] for d in step_diagnostics])) for k in last})
-            history.append(metrics)
-            bar.update(task, status=f"epoch {epoch} val acc {val['accuracy']:.3f}")
-            if on_epoch_end is not None:
-                on_epoch_end(
-                    EpochReport(
-                        epoch,
-                        metrics,
-                        lambda e=epoch: _checkpoint_state(e, setup, scheduler, history),
-                    )
+            losses.append(loss)
+            step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
+            scheduler.step()
+            done += 1
+            report_step(f"epoch {epoch} loss {loss:.3f}")
+
+        posterior = _posterior(setup)
+        val = _validation_scores(config, setup, _evaluate(config, setup, data.val, posterior))
+        metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
+        metrics.update({f"val_{k}": v for k, v in val.items()})
+        if setup.private is not None:
+            plan = setup.private.plan
+            metrics.update(
+                epsilon_spent=setup.private.epsilon_spent(),
+                noise_multiplier=plan.noise_multiplier,
+                sample_rate=plan.sample_rate,
+                steps=setup.private.steps_taken,
+            )
+        if setup.ivon is not None:
+            metrics.update(setup.ivon.curvature_diagnostics())
+            # per-step diagnostics (projected_fraction, curvature_update_share) as epoch
+            # means rather than the last step's values
+            last = step_diagnostics[-1] if step_diagnostics else {}
+            metrics.update({k: float(np.mean([d[k] for d in step_diagnostics])) for k in last})
+        history.append(metrics)
+        report_step(f"epoch {epoch} val acc {val['accuracy']:.3f}")
+        if on_epoch_end is not None:
+            on_epoch_end(
+                EpochReport(
+                    epoch,
+                    metrics,
+                    lambda e=epoch: _checkpoint_state(e, setup, scheduler, history),
                 )
-            # Only the attempt that trains that epoch fails: a retry resumed from the epoch's
-            # checkpoint goes on, like after a transient crash.
-            if epoch == config.fail_at_epoch:
-                raise InjectedFailure(f"failure injected after epoch {epoch} (fail_at_epoch)")
+            )
 
     if val is None:  # resumed after the last epoch: the scores that epoch released
         posterior = _posterior(setup)
@@ -437,13 +427,13 @@ def train(
     if evaluate_test:
         test_eval = _evaluate(config, setup, data.test, posterior)
         test = test_eval.metrics
-        diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.ece_bins)
+        diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.evaluation.ece_bins)
     private = setup.private
     return TrainResult(
         config=config,
         privacy=private.plan if private else None,
         epsilon_spent=private.epsilon_spent() if private else None,
-        steps=private.steps_taken if private else config.epochs * len(setup.loader),
+        steps=private.steps_taken if private else config.training.epochs * len(setup.loader),
         history=history,
         val=val,
         test=test,

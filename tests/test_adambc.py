@@ -166,9 +166,13 @@ def test_noise_correction_uses_the_dpoptimizer_gradient_and_noise_level():
 def test_config_and_registry():
     assert "dp-adambc" in PRIVATE_OPTIMIZERS
     config = TrainConfig(optimizer="dp-adambc", dataset="synthetic", beta2=0.99)
-    assert config.is_private and config.second_moment_floor == 1e-9 and config.lr == 5e-6
+    assert (
+        config.is_private
+        and config.optimizer.second_moment_floor == 1e-9
+        and config.optimizer.lr == 5e-6
+    )
     opt = build_optimizer(
-        config, nn.Linear(2, 2).parameters(), dataset_size=100, grad_noise_std=0.25
+        config.optimizer, nn.Linear(2, 2).parameters(), dataset_size=100, grad_noise_std=0.25
     )
     assert type(opt) is DPAdamBC and opt.grad_noise_std == 0.25
     group = opt.param_groups[0]

@@ -17,7 +17,7 @@ from opacus.optimizers import DPOptimizer
 from typer.testing import CliRunner
 
 from dpivon.cli import app
-from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig
+from dpivon.config import PRIVATE_OPTIMIZERS, PrivacyConfig
 from dpivon.errors import DpivonError
 from dpivon.privacy.audit import (
     CanaryInjector,
@@ -32,7 +32,7 @@ from dpivon.privacy.audit import (
 from dpivon.training import build_training, load_data, train_step
 
 CPU = torch.device("cpu")
-ENGINES = get_args(TrainConfig.model_fields["engine"].annotation)
+ENGINES = get_args(PrivacyConfig.model_fields["engine"].annotation)
 runner = CliRunner()
 
 
@@ -239,7 +239,7 @@ def check_canaries_reach_the_optimizer(**overrides) -> None:
     x, y = next(iter(setup.loader))
     # noise off and an empty batch: the optimizer receives the included canaries alone
     dp.noise_multiplier = 0.0
-    train_step(setup, x[:0], y[:0], config.mc_samples)
+    train_step(setup, x[:0], y[:0], config.optimizer.samples_per_step)
     clip = plan.max_grad_norm
     one = clip * (clip / (clip + 1e-6)) / plan.expected_batch_size
     n_in = int(injector.included.sum())
@@ -250,7 +250,7 @@ def check_canaries_reach_the_optimizer(**overrides) -> None:
     # data and noise: the scores grow by <g_dp, c_j> of what the optimizer received
     dp.noise_multiplier = plan.noise_multiplier
     before = injector.scores.clone()
-    train_step(setup, x, y, config.mc_samples)
+    train_step(setup, x, y, config.optimizer.samples_per_step)
     assert torch.allclose(
         injector.scores - before, seen[-1][injector.coordinates].double() * clip, rtol=1e-6
     )
@@ -297,18 +297,46 @@ def test_cli_writes_the_audit_json_and_logs_it_to_mlflow(tmp_path):
     result = runner.invoke(
         app,
         [
-            "audit", "--dataset", "synthetic", "--optimizer", "dp-adam", "--epsilon", "0.5",
-            "--delta", "1e-5", "--canaries", "100", "--epochs", "1", "--synthetic-size", "200",
-            "--device", "cpu", "--json", str(out), "--tracking-uri", uri,
+            "audit",
+            "--dataset",
+            "synthetic",
+            "--optimizer",
+            "dp-adam",
+            "--epsilon",
+            "0.5",
+            "--delta",
+            "1e-5",
+            "--canaries",
+            "100",
+            "--epochs",
+            "1",
+            "--synthetic-size",
+            "200",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+            "--tracking-uri",
+            uri,
         ],
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
-    for key in ("claimed_epsilon", "epsilon_lower_bound", "control_epsilon_lower_bound",
-                "canaries", "optimizer", "guesses", "correct_guesses", "confidence"):
+    for key in (
+        "claimed_epsilon",
+        "epsilon_lower_bound",
+        "control_epsilon_lower_bound",
+        "canaries",
+        "optimizer",
+        "guesses",
+        "correct_guesses",
+        "confidence",
+    ):
         assert key in summary
     assert (summary["optimizer"], summary["canaries"], summary["claimed_epsilon"]) == (
-        "dp-adam", 100, 0.5,
+        "dp-adam",
+        100,
+        0.5,
     )
     assert summary["correct_guesses"] <= summary["guesses"] <= 100
     run = MlflowClient(uri).get_run(summary["mlflow_run_id"])

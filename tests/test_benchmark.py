@@ -288,11 +288,11 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     ]
     pipeline = load_benchmark(write_benchmark(tmp_path, methods=methods))
     tuned = [r for r in pipeline.runs if r.method == "tuned"]
-    assert len(tuned) == 6 and {r.config.lr for r in tuned} == {0.123}
+    assert len(tuned) == 6 and {r.config.optimizer.lr for r in tuned} == {0.123}
     # the sweep's hyper-parameters, the benchmark's setting (data, epochs, seeds)
-    assert {r.config.max_grad_norm for r in tuned} == {0.7}
-    assert {r.config.batch_size for r in tuned} == {64}  # the benchmark's train: wins
-    assert {r.config.synthetic_size for r in tuned} == {300}
+    assert {r.config.privacy.max_grad_norm for r in tuned} == {0.7}
+    assert {r.config.training.batch_size for r in tuned} == {64}  # the benchmark's train: wins
+    assert {r.config.data.synthetic_size for r in tuned} == {300}
     assert tuned[0].tuned_by == "s1/eps8-dp-sgd/eps8-dp-sgd-0"
     assert pipeline.tuning_trials == {("tuned", 8.0): 2, ("tuned", math.inf): 2}
     assert pipeline.sweep_directories == [sweep.resolve()]
@@ -300,8 +300,8 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert report.figures["pareto_s1.png"][:4] == b"\x89PNG"
     assert "Pareto fronts of the tuning sweeps" in report.markdown()
     # seeds differ per run, the split is shared
-    assert len({r.config.seed for r in pipeline.runs}) == len(pipeline.runs)
-    assert {r.config.data_seed for r in pipeline.runs} == {0}
+    assert len({r.config.runtime.seed for r in pipeline.runs}) == len(pipeline.runs)
+    assert {r.config.data.data_seed for r in pipeline.runs} == {0}
 
     other = fake_sweep(tmp_path, "s2", trials_per_group=3, lr=0.2)
     methods.append({"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)})

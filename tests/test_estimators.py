@@ -18,9 +18,9 @@ from torch import nn
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
-from dpivon.optim import DPIVON
 from dpivon.optim.ivon import (
     CLAMPED_NOISE_MEAN,
+    DPIVON,
     clamped_noise_share,
     ema_noise_corrected_squared_gradient,
     ema_update,
@@ -336,12 +336,16 @@ def test_gradient_snr_sees_signal_and_pure_noise():
 
 def test_config_fills_and_checks_the_estimator_options():
     config = TrainConfig(optimizer="dp-ivon-gradsq", dataset="synthetic")
-    assert (config.curvature_estimator, config.curvature_pool, config.hess_floor) == (
+    assert (
+        config.optimizer.curvature_estimator,
+        config.optimizer.curvature_pool,
+        config.optimizer.hess_floor,
+    ) == (
         "per-step",
         "tensor",
         0.0,
     )
-    assert TrainConfig(optimizer="dp-sgd").curvature_estimator is None
+    assert "curvature_estimator" not in type(TrainConfig(optimizer="dp-sgd").optimizer).model_fields
     for bad, match in (
         ({"optimizer": "dp-sgd", "curvature_estimator": "pooled"}, "does not apply to dp-sgd"),
         ({"optimizer": "dp-ivon", "curvature_pool": "channel"}, "does not apply to dp-ivon"),
@@ -357,7 +361,7 @@ def test_config_fills_and_checks_the_estimator_options():
             curvature_estimator="shrinkage",
             curvature_pool="channel",
             hess_floor=0.01,
-        ),
+        ).optimizer,
         make_model().parameters(),
         dataset_size=100,
         grad_noise_std=0.1,

@@ -16,9 +16,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpivon.config import OPTIMIZER_NAMES, TrainConfig
-from dpivon.optim import DPIVON, IVON
 from dpivon.optim.adambc import DPAdamBC
-from dpivon.optim.ivon import gradsq_hessian
+from dpivon.optim.ivon import DPIVON, IVON, gradsq_hessian
 from dpivon.optim.registry import build_optimizer
 
 DTYPE = torch.float64
@@ -517,21 +516,23 @@ def test_build_optimizer_returns_the_named_optimizer(name):
     expected_class, hess_approx, noise_correction = EXPECTED_OPTIMIZERS[name]
     config = TrainConfig(optimizer=name, dataset="synthetic")
     model = make_model()
-    opt = build_optimizer(config, model.parameters(), dataset_size=123, grad_noise_std=0.25)
+    opt = build_optimizer(
+        config.optimizer, model.parameters(), dataset_size=123, grad_noise_std=0.25
+    )
     assert type(opt) is expected_class
     group = opt.param_groups[0]
-    assert group["lr"] == config.lr
-    assert group["weight_decay"] == config.weight_decay
+    assert group["lr"] == config.optimizer.lr
+    assert group["weight_decay"] == config.optimizer.weight_decay
     assert len(group["params"]) == len(list(model.parameters()))
     if expected_class is torch.optim.SGD:
-        assert group["momentum"] == config.momentum
+        assert group["momentum"] == config.optimizer.momentum
     if expected_class is torch.optim.Adam:
-        assert group["betas"] == (config.beta1, config.beta2)
+        assert group["betas"] == (config.optimizer.beta1, config.optimizer.beta2)
     if hess_approx is not None:
-        assert opt.hess_approx == hess_approx == config.hess_approx
+        assert opt.hess_approx == hess_approx == config.optimizer.hess_approx
         assert group["ess"] == 123.0  # ess defaults to the training-set size
-        assert group["hess_init"] == config.hess_init
-        assert group["beta2"] == config.beta2
+        assert group["hess_init"] == config.optimizer.hess_init
+        assert group["beta2"] == config.optimizer.beta2
     if expected_class is DPIVON:
         assert opt.noise_correction is noise_correction
         assert opt.grad_noise_std == 0.25
@@ -548,7 +549,7 @@ def test_build_optimizer_passes_ivon_options():
         debias=False,
         rescale_lr=False,
     )
-    opt = build_optimizer(config, make_model().parameters(), dataset_size=50)
+    opt = build_optimizer(config.optimizer, make_model().parameters(), dataset_size=50)
     assert type(opt) is IVON
     assert opt.hess_approx == "gradsq"
     assert opt.mc_samples == 3

@@ -10,7 +10,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpivon.errors import DpivonError
-from dpivon.optim import DPIVON, IVON
+from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.privacy.engine import PrivacyPlan, make_private, plan_privacy
 
 DTYPE = torch.float64

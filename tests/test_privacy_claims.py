@@ -22,8 +22,7 @@ from typer.testing import CliRunner
 
 from dpivon.cli import app
 from dpivon.config import parse_config
-from dpivon.optim import DPIVON
-from dpivon.optim.ivon import hessian_update, price_hessian
+from dpivon.optim.ivon import DPIVON, hessian_update, price_hessian
 from dpivon.privacy.engine import make_private, plan_privacy, privacy_generator
 from dpivon.privacy.sampling import PoissonBatches
 from dpivon.search.trial import trial_seed
@@ -60,8 +59,13 @@ def one_thread():
 
 
 # The full-CIFAR batch sizes (45,000 training images) that crashed Opacus 1.6's make_private.
-OPACUS_CRASHES = [*range(366, 369), *range(385, 388), *range(429, 433), *range(455, 460),
-                  *range(484, 490)]
+OPACUS_CRASHES = [
+    *range(366, 369),
+    *range(385, 388),
+    *range(429, 433),
+    *range(455, 460),
+    *range(484, 490),
+]
 
 
 @pytest.mark.slow
@@ -87,7 +91,10 @@ def test_plan_is_what_opacus_records_for_every_batch_size(dataset_size, batch_si
         plan = dataclasses.replace(plan, noise_multiplier=0.7)
         model = nn.Linear(3, 2)
         optimizer = DPIVON(
-            model.parameters(), lr=0.1, ess=dataset_size, grad_noise_std=plan.grad_noise_std,
+            model.parameters(),
+            lr=0.1,
+            ess=dataset_size,
+            grad_noise_std=plan.grad_noise_std,
             hess_approx="gradsq",
         )
         private = make_private(
@@ -107,11 +114,19 @@ def test_plan_is_what_opacus_records_for_every_batch_size(dataset_size, batch_si
 
 def test_poisson_sampler_includes_each_example_at_rate_q():
     plan = plan_privacy(
-        target_epsilon=math.inf, delta=1e-5, max_grad_norm=1.0, accountant="rdp",
-        dataset_size=500, batch_size=37, epochs=1,
+        target_epsilon=math.inf,
+        delta=1e-5,
+        max_grad_norm=1.0,
+        accountant="rdp",
+        dataset_size=500,
+        batch_size=37,
+        epochs=1,
     )
     sampler = PoissonBatches(
-        torch.zeros(500, 1), torch.arange(500), sample_rate=plan.sample_rate, steps=2000,
+        torch.zeros(500, 1),
+        torch.arange(500),
+        sample_rate=plan.sample_rate,
+        steps=2000,
         generator=torch.Generator().manual_seed(3),
     )
     counts = torch.zeros(500)
@@ -126,8 +141,13 @@ def test_poisson_sampler_includes_each_example_at_rate_q():
 @pytest.mark.parametrize(("dataset_size", "batch_size"), [(990, 10), (1050, 10), (1170, 10)])
 def test_k_minus_one_cases_plan_at_most_the_target(dataset_size, batch_size):
     plan = plan_privacy(
-        target_epsilon=8.0, delta=1e-5, max_grad_norm=1.0, accountant="rdp",
-        dataset_size=dataset_size, batch_size=batch_size, epochs=1,
+        target_epsilon=8.0,
+        delta=1e-5,
+        max_grad_norm=1.0,
+        accountant="rdp",
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        epochs=1,
     )
     spent = independent_epsilon(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-5)
     assert spent == pytest.approx(plan.planned_epsilon(), abs=0.02)  # other order grid
@@ -141,8 +161,15 @@ def test_train_on_930_examples_at_batch_10_spends_at_most_the_target(tmp_path):
     result = runner.invoke(
         app,
         [
-            "train", "--config", str(config), "--epsilon", "8", "--json", str(out),
-            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
+            "train",
+            "--config",
+            str(config),
+            "--epsilon",
+            "8",
+            "--json",
+            str(out),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path}/mlflow.db",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -202,9 +229,24 @@ def test_secure_mode_seed_is_never_logged(tmp_path, monkeypatch):
     result = runner.invoke(
         app,
         [
-            "train", "--dataset", "synthetic", "--model", "small-cnn", "--optimizer", "dp-sgd",
-            "--epochs", "1", "--batch-size", "50", "--bma-samples", "0", "--secure-mode",
-            "--json", str(tmp_path / "out.json"), "--tracking-uri", f"sqlite:///{store}",
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "small-cnn",
+            "--optimizer",
+            "dp-sgd",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "50",
+            "--bma-samples",
+            "0",
+            "--secure-mode",
+            "--json",
+            str(tmp_path / "out.json"),
+            "--tracking-uri",
+            f"sqlite:///{store}",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -220,9 +262,7 @@ def test_secure_mode_seed_is_never_logged(tmp_path, monkeypatch):
 def test_resumed_run_continues_the_noise_instead_of_replaying_it():
     """Checkpoint (through torch.save / weights_only load) after epoch 1, resume: the model
     equals the uninterrupted run's, which it could not if epoch 2 replayed epoch 1's noise."""
-    config = parse_config(
-        {**SMALL, "optimizer": "dp-ivon-gradsq", "epochs": 2, "batch_size": 50}
-    )
+    config = parse_config({**SMALL, "optimizer": "dp-ivon-gradsq", "epochs": 2, "batch_size": 50})
     data = load_data(config)
     saved = {}
 
@@ -237,7 +277,9 @@ def test_resumed_run_continues_the_noise_instead_of_replaying_it():
     for name, p in full.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], p)
     # Replaying (restoring the generator to its start) gives a different model.
-    state["rng"]["generator"] = privacy_generator(config.seed, CPU, secure=False).get_state()
+    state["rng"]["generator"] = privacy_generator(
+        config.runtime.seed, CPU, secure=False
+    ).get_state()
     replayed = train(config, data=data, resume_state=state, evaluate_test=False)
     differs = [
         not torch.allclose(replayed.model.state_dict()[n], p)
@@ -292,7 +334,9 @@ def test_dp_ivon_variants_build_their_statistics_from_g_dp(optimizer):
         torch.testing.assert_close(state["momentum"], (1 - group["beta1"]) * g_dp)
         if optimizer == "dp-ivon":
             estimate = price_hessian(
-                g_dp * state["noise"], torch.full_like(p, group["hess_init"]), group["ess"],
+                g_dp * state["noise"],
+                torch.full_like(p, group["hess_init"]),
+                group["ess"],
                 group["weight_decay"],
             )
         else:

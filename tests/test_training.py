@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from fault_injection import InjectedFailure, fail_after
 from typer.testing import CliRunner
 
+from dpivon import training
 from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
 from dpivon.errors import DpivonError
-from dpivon.training import InjectedFailure, load_data, train
+from dpivon.training import load_data, train
 
 SMALL = {
     "dataset": "synthetic",
@@ -145,9 +147,8 @@ def test_training_is_reproducible_and_resumable():
     def keep(report):
         saved[report.epoch] = report.checkpoint()
 
-    failing = config.model_copy(update={"fail_at_epoch": 1})
     with pytest.raises(InjectedFailure):
-        train(failing, data=data, on_epoch_end=keep, evaluate_test=False)
+        train(config, data=data, on_epoch_end=fail_after(1, keep), evaluate_test=False)
     resumed = train(config, data=data, resume_state=saved[1], evaluate_test=False)
     assert resumed.steps == full.steps
     assert resumed.epsilon_spent == pytest.approx(full.epsilon_spent)
@@ -156,11 +157,15 @@ def test_training_is_reproducible_and_resumable():
     assert resumed.val == pytest.approx(full.val)
 
 
-def test_failed_run_is_marked_failed(tmp_path):
+def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     config = tmp_path / "fail.yaml"
-    config.write_text(
-        yaml.safe_dump({**SMALL, "optimizer": "dp-sgd", "epochs": 2, "fail_at_epoch": 1})
-    )
+    config.write_text(yaml.safe_dump({**SMALL, "optimizer": "dp-sgd", "epochs": 2}))
+    real_train = training.train
+
+    def failing_train(*args, on_epoch_end=None, **kwargs):
+        return real_train(*args, on_epoch_end=fail_after(1, on_epoch_end), **kwargs)
+
+    monkeypatch.setattr(training, "train", failing_train)
     result = cli(
         "train", "--config", str(config), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"
     )

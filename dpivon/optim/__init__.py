@@ -1,5 +1,2 @@
-"""Optimizers: IVON, DP-IVON-Gradsq and its ablations, DP-SGD/DP-Adam baselines."""
-
-from dpivon.optim.ivon import DPIVON, IVON
-
-__all__ = ["DPIVON", "IVON"]
+"""Optimizers: IVON, DP-IVON-Gradsq and its ablations, DP-AdamBC (`ivon`, `adambc`), and the
+registry of every optimizer a config can name (`registry`, importable without torch)."""

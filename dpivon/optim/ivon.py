@@ -417,6 +417,16 @@ class IVON(torch.optim.Optimizer):
         )
         del state["avg_grad"], state["avg_curvature_input"]
 
+    def state_dict(self) -> dict:
+        # The step count sets the momentum's debias term, so it belongs to the state: ivon-opt
+        # leaves it out, and its resumed runs divide by the wrong term.
+        return {**super().state_dict(), "current_step": self.current_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.current_step = state_dict.pop("current_step")
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         loss = None

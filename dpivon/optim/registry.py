@@ -1,79 +1,260 @@
-"""Build the base optimizer for a config; Opacus wraps the private ones afterwards.
+"""The optimizer registry: each name's options (a config sub-model), class, defaults and
+whether it is private, the way Opacus registers its accountants.
 
 DP-SGD and DP-Adam are plain SGD and Adam under an Opacus DPOptimizer; the DP-IVON family
 is `DPIVON` and DP-AdamBC is `DPAdamBC`, which read the privatised gradient that the
-DPOptimizer leaves in p.grad.
+DPOptimizer leaves in p.grad. Opacus wraps the private ones after `build_optimizer`.
+
+An option is declared once, with its constraint, on the options model of the family it
+belongs to; a family's optimizers differ only in their defaults and in what they fix
+(the DP-IVON variants are defined by their estimator). This module imports no torch: the
+config tree (dpivon.config) is built from it, and the optimizer classes load on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import importlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from dpivon.config import TrainConfig
-from dpivon.optim.adambc import DPAdamBC
-from dpivon.optim.ivon import DPIVON, IVON
+from dpivon.constraints import Bool, Count, NonNegativeFloat, PositiveFloat, Rate
 
-# DPIVON options that only the gradsq optimizers' configs set (None elsewhere).
-_CURVATURE_OPTIONS = ("curvature_estimator", "curvature_ema", "curvature_pool")
+if TYPE_CHECKING:
+    import torch
+
+
+class OptimizerOptions(BaseModel):
+    """What every optimizer takes. ``lr`` and ``weight_decay`` default per optimizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str
+    lr: PositiveFloat
+    weight_decay: NonNegativeFloat
+
+    @property
+    def samples_per_step(self) -> int:
+        """Forward-backward passes per step (posterior samples for IVON)."""
+        return 1
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        """The constructor keywords of the optimizer class, besides the parameters.
+
+        ``grad_noise_std`` is sigma * C / b, which the noise-corrected estimators need.
+        """
+        return {"lr": self.lr, "weight_decay": self.weight_decay}
+
+
+class SGDOptions(OptimizerOptions):
+    momentum: Rate
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+
+class AdamOptions(OptimizerOptions):
+    beta1: Rate = 0.9
+    beta2: Rate
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "weight_decay": self.weight_decay,
+        }
+
+
+class AdamBCOptions(AdamOptions):
+    # gamma' in max(v_hat - s^2, gamma'): keeps 1 / sqrt(v_corr) finite
+    second_moment_floor: PositiveFloat
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {
+            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
+            "grad_noise_std": grad_noise_std,
+            "second_moment_floor": self.second_moment_floor,
+        }
+
+
+class IVONOptions(OptimizerOptions):
+    beta1: Rate = 0.9
+    beta2: Rate
+    hess_approx: Literal["price", "gradsq"]
+    hess_init: PositiveFloat
+    ess: PositiveFloat | None = None  # None: the training-set size
+    mc_samples: Count = 1
+    clip_radius: PositiveFloat = math.inf
+    rescale_lr: Bool = True
+    debias: Bool = True
+    hess_floor: NonNegativeFloat  # keeps h >= hess_floor (0: no floor)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.mc_samples
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "ess": self.ess if self.ess is not None else float(dataset_size),
+            "hess_init": self.hess_init,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "weight_decay": self.weight_decay,
+            "mc_samples": self.mc_samples,
+            "hess_approx": self.hess_approx,
+            "clip_radius": self.clip_radius,
+            "debias": self.debias,
+            "rescale_lr": self.rescale_lr,
+            "hess_floor": self.hess_floor,
+        }
+
+
+class DPIVONOptions(IVONOptions):
+    @model_validator(mode="after")
+    def _one_sample_for_price(self) -> DPIVONOptions:
+        if self.hess_approx == "price" and self.mc_samples != 1:
+            raise ValueError(f"{self.name} (price estimator) supports mc_samples=1 only")
+        return self
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {
+            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
+            "grad_noise_std": grad_noise_std,
+        }
+
+
+class GradsqIVONOptions(DPIVONOptions):
+    """DP-IVON-Gradsq: how v_hat is estimated from g_dp (see dpivon.optim.ivon). Every
+    estimator is post-processing of g_dp: none costs privacy."""
+
+    noise_correction: Bool = True
+    curvature_estimator: Literal["per-step", "ema-corrected", "pooled", "shrinkage"] = "per-step"
+    curvature_ema: Rate = 0.99  # ema-corrected: the rate of g_dp^2's average
+    curvature_pool: Literal["tensor", "channel"] = "tensor"  # pooled and shrinkage
+
+    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
+        return {
+            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
+            "noise_correction": self.noise_correction,
+            "curvature_estimator": self.curvature_estimator,
+            "curvature_ema": self.curvature_ema,
+            "curvature_pool": self.curvature_pool,
+        }
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One registered optimizer."""
+
+    options: type[OptimizerOptions]
+    optimizer_class: str  # "module:Class", imported on first build
+    private: bool
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # what the name itself decides
+    ivon: bool = False  # an IVON posterior: BMA evaluation, a logged posterior
+
+
+# IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
+# needs a far larger lr: its step is about lr * g_dp while h stays near hess_init.
+_IVON_DEFAULTS = {"hess_init": 0.5, "beta2": 0.99999, "weight_decay": 2e-4, "hess_floor": 0.0}
+_DPIVON = "dpivon.optim.ivon:DPIVON"
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "dp-ivon-gradsq": OptimizerSpec(
+        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        defaults={"lr": 3.0, **_IVON_DEFAULTS},
+        fixed={"hess_approx": "gradsq", "noise_correction": True},
+    ),
+    "dp-ivon-gradsq-uncorrected": OptimizerSpec(
+        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        defaults={"lr": 3.0, **_IVON_DEFAULTS},
+        fixed={"hess_approx": "gradsq", "noise_correction": False},
+    ),
+    "dp-ivon": OptimizerSpec(
+        DPIVONOptions, _DPIVON, private=True, ivon=True,
+        defaults={"lr": 3.0, **_IVON_DEFAULTS}, fixed={"hess_approx": "price"},
+    ),
+    "dp-sgd": OptimizerSpec(
+        SGDOptions, "torch.optim:SGD", private=True,
+        defaults={"lr": 0.5, "momentum": 0.9, "weight_decay": 0.0},
+    ),
+    "dp-adam": OptimizerSpec(
+        AdamOptions, "torch.optim:Adam", private=True,
+        defaults={"lr": 2e-3, "beta2": 0.999, "weight_decay": 0.0},
+    ),
+    # The authors' CIFAR-10 CNN setting (lr 5e-6, gamma' 1e-9, with C 3 and batch 1024):
+    # gamma' bounds 1 / sqrt(v_corr), so the lr sits far below DP-Adam's.
+    "dp-adambc": OptimizerSpec(
+        AdamBCOptions, "dpivon.optim.adambc:DPAdamBC", private=True,
+        defaults={"lr": 5e-6, "beta2": 0.999, "weight_decay": 0.0, "second_moment_floor": 1e-9},
+    ),
+    "ivon": OptimizerSpec(
+        IVONOptions, "dpivon.optim.ivon:IVON", private=False, ivon=True,
+        defaults={"lr": 0.2, "hess_approx": "price", **_IVON_DEFAULTS},
+    ),
+    "sgd": OptimizerSpec(
+        SGDOptions, "torch.optim:SGD", private=False,
+        defaults={"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+    ),
+    "adam": OptimizerSpec(
+        AdamOptions, "torch.optim:Adam", private=False,
+        defaults={"lr": 2e-3, "beta2": 0.999, "weight_decay": 0.0},
+    ),
+}  # fmt: skip
+OPTIMIZER_NAMES = tuple(OPTIMIZERS)
+PRIVATE_OPTIMIZERS = tuple(n for n, s in OPTIMIZERS.items() if s.private)
+OPTION_NAMES = tuple(
+    dict.fromkeys(k for s in OPTIMIZERS.values() for k in s.options.model_fields if k != "name")
+)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
+        ) from None
+
+
+def optimizer_options(values: Mapping[str, Any]) -> OptimizerOptions:
+    """Validate one optimizer's options: ``None`` takes the optimizer's default, an option
+    of another family is an error (not a silent no-op), and so is contradicting what the
+    name fixes."""
+    name = values.get("name", "dp-ivon-gradsq")
+    spec = optimizer_spec(name)
+    given = {k: v for k, v in values.items() if v is not None and k != "name"}
+    foreign = [k for k in given if k not in spec.options.model_fields]
+    if foreign:
+        owners = [n for n, s in OPTIMIZERS.items() if foreign[0] in s.options.model_fields]
+        if not owners:
+            raise ValueError(f"{foreign[0]!r} is not an optimizer option")
+        raise ValueError(f"{foreign[0]} does not apply to {name}; it is an option of "
+                         f"{', '.join(owners)}")  # fmt: skip
+    for key, value in spec.fixed.items():
+        if key in given and given[key] != value:
+            estimator = key == "hess_approx"
+            fixed = f"the {value} estimator" if estimator else f"{key}={value!r}"
+            raise ValueError(
+                f"{name} uses {fixed}; {key}={given[key]!r} contradicts it (use "
+                f"{'optimizer ivon' if estimator else 'another optimizer'} to choose freely)"
+            )
+    return spec.options.model_validate({"name": name, **spec.defaults, **given, **spec.fixed})
 
 
 def build_optimizer(
-    config: TrainConfig,
+    options: OptimizerOptions,
     params: Iterable[torch.nn.Parameter],
     *,
     dataset_size: int,
     grad_noise_std: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """The optimizer named by ``config.optimizer``, before any privacy wrapping.
-
-    ``grad_noise_std`` is sigma_p * C / b, needed by the noise-corrected estimators.
-    """
-    name = config.optimizer
-    if name in ("sgd", "dp-sgd"):
-        return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    if name in ("adam", "dp-adam"):
-        return torch.optim.Adam(
-            params,
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            weight_decay=config.weight_decay,
-        )
-    if name == "dp-adambc":
-        return DPAdamBC(
-            params,
-            lr=config.lr,
-            grad_noise_std=grad_noise_std,
-            betas=(config.beta1, config.beta2),
-            second_moment_floor=config.second_moment_floor,
-            weight_decay=config.weight_decay,
-        )
-    ivon_kwargs = dict(
-        lr=config.lr,
-        ess=config.ess if config.ess is not None else float(dataset_size),
-        hess_init=config.hess_init,
-        beta1=config.beta1,
-        beta2=config.beta2,
-        weight_decay=config.weight_decay,
-        mc_samples=config.mc_samples,
-        clip_radius=config.clip_radius,
-        debias=config.debias,
-        rescale_lr=config.rescale_lr,
-        hess_floor=config.hess_floor,
-    )
-    if name == "ivon":
-        return IVON(params, hess_approx=config.hess_approx, **ivon_kwargs)
-    curvature = {
-        k: getattr(config, k) for k in _CURVATURE_OPTIONS if getattr(config, k) is not None
-    }
-    return DPIVON(
-        params,
-        grad_noise_std=grad_noise_std,
-        noise_correction=name != "dp-ivon-gradsq-uncorrected",
-        hess_approx=config.hess_approx,
-        **curvature,
-        **ivon_kwargs,
-    )
+    """The optimizer ``options`` describe, before any privacy wrapping."""
+    module, _, name = OPTIMIZERS[options.name].optimizer_class.partition(":")
+    optimizer_class = getattr(importlib.import_module(module), name)
+    kwargs = options.optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std)
+    return optimizer_class(params, **kwargs)

@@ -30,16 +30,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from opacus.optimizers import DPOptimizer
-from rich.progress import Progress
 
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.privacy.engine import PrivacyPlan
 from dpivon.training import (
+    StepCallback,
+    StepReport,
     build_training,
     load_data,
-    progress_bar,
     resolve_device,
     seed_everything,
     train_step,
@@ -347,20 +347,20 @@ def run_audit(
     *,
     confidence: float = 0.95,
     data: DataSplits | None = None,
-    progress: bool = False,
+    on_step: StepCallback | None = None,
 ) -> AuditResult:
     """Audit ``config``'s private training with ``canaries`` gradient canaries: one run as
     configured, and one control run with the noise off (everything else equal), which must
     certify more than the claimed epsilon for the audit to have shown it could see a leak.
 
-    The runs take ``config.epochs`` passes with a constant learning rate (the guarantee, so
+    The runs take ``config.training.epochs`` passes with a constant learning rate (the guarantee, so
     the audit, does not depend on the schedule) and skip evaluation.
     """
-    if config.optimizer not in PRIVATE_OPTIMIZERS:
+    if config.optimizer.name not in PRIVATE_OPTIMIZERS:
         raise DpivonError(
-            f"{config.optimizer} is not private: audit one of {', '.join(PRIVATE_OPTIMIZERS)}"
+            f"{config.optimizer.name} is not private: audit one of {', '.join(PRIVATE_OPTIMIZERS)}"
         )
-    if not math.isfinite(config.epsilon):
+    if not math.isfinite(config.privacy.epsilon):
         raise DpivonError("epsilon must be finite: a run without noise claims nothing")
     if canaries < 1:
         raise DpivonError(f"canaries must be >= 1, got {canaries}")
@@ -368,13 +368,12 @@ def run_audit(
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     started = time.perf_counter()
     data = data if data is not None else load_data(config)
-    with progress_bar(progress) as bar:
-        real, plan = _scored_run(config, data, canaries, confidence, noise=True, bar=bar)
-        control, _ = _scored_run(config, data, canaries, confidence, noise=False, bar=bar)
+    real, plan = _scored_run(config, data, canaries, confidence, noise=True, on_step=on_step)
+    control, _ = _scored_run(config, data, canaries, confidence, noise=False, on_step=on_step)
     return AuditResult(
-        optimizer=config.optimizer,
+        optimizer=config.optimizer.name,
         claimed_epsilon=plan.target_epsilon,
-        delta=config.delta,
+        delta=config.privacy.delta,
         canaries=canaries,
         confidence=confidence,
         sample_rate=plan.sample_rate,
@@ -393,35 +392,37 @@ def _scored_run(
     confidence: float,
     *,
     noise: bool,
-    bar: Progress,
+    on_step: StepCallback | None,
 ) -> tuple[RunAudit, PrivacyPlan]:
     """Train once with the canaries in and score them from the privatised gradients."""
-    seed_everything(config.seed)
-    device = resolve_device(config.device)
+    seed_everything(config.runtime.seed)
+    device = resolve_device(config.runtime.device)
     setup = build_training(config, data, device)
     plan = setup.private.plan
     optimizer = setup.optimizer
     if not noise:
         optimizer.noise_multiplier = 0.0
     injector = CanaryInjector.draw(
-        list(optimizer.params), canaries, plan.max_grad_norm, plan.sample_rate, config.seed
+        list(optimizer.params), canaries, plan.max_grad_norm, plan.sample_rate, config.runtime.seed
     )
     injector.attach(optimizer)
-    label = f"{config.optimizer} {'audit' if noise else 'noise-off control'}"
-    task = bar.add_task(label, total=plan.steps, status="")
-    for epoch in range(1, config.epochs + 1):
+    label = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
+    done = 0
+    for epoch in range(1, config.training.epochs + 1):
         setup.trained_module.train()
         for x, y in setup.loader:
-            loss = train_step(setup, x.to(device), y.to(device), config.mc_samples)
-            bar.update(task, advance=1, status=f"epoch {epoch} loss {loss:.3f}")
+            loss = train_step(setup, x.to(device), y.to(device), config.optimizer.samples_per_step)
+            done += 1
+            if on_step is not None:
+                on_step(StepReport(label, done, plan.steps, f"epoch {epoch} loss {loss:.3f}"))
     scores = injector.scores.numpy()
     if not np.isfinite(scores).all():
         raise DpivonError(
-            f"training diverged during the audit of {config.optimizer}: lower the learning "
-            f"rate (lr={config.lr})"
+            f"training diverged during the audit of {config.optimizer.name}: lower the learning "
+            f"rate (lr={config.optimizer.lr})"
         )
     included = injector.included.numpy()
-    best = audit_scores(scores, included, config.delta, confidence)
+    best = audit_scores(scores, included, config.privacy.delta, confidence)
     n_included = int(included.sum())
     result = RunAudit(
         noise_multiplier=float(optimizer.noise_multiplier),

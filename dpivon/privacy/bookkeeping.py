@@ -403,7 +403,7 @@ class BookKeeping:
         if not (model.training and torch.is_grad_enabled()):
             return
         if any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
-            raise DpivonError(
+            raise RuntimeError(
                 "engine bk takes parameter gradients only: inputs must not require grad"
             )
         self._clear()  # a training forward that was never backpropagated leaves nothing behind
@@ -436,12 +436,12 @@ class BookKeeping:
         """Backpropagate the mean-reduced ``loss`` of ``batch_size`` examples and leave the
         clipped per-example gradient sum in every trainable ``p.grad``."""
         if self._clipped_sum_ready:
-            raise DpivonError(
+            raise RuntimeError(
                 "a second backward before optimizer.step(): each Poisson batch is one "
                 "accounted step with one backward pass"
             )
         if not self._roots:
-            raise DpivonError(
+            raise RuntimeError(
                 "backward without a recorded forward: the model must run in training mode "
                 "with gradients enabled"
             )
@@ -481,7 +481,7 @@ class BookKeeping:
     def take_clipped_sum(self) -> None:
         """Called by the optimizer's step: the clipped sum in p.grad is used up."""
         if not self._clipped_sum_ready:
-            raise DpivonError(
+            raise RuntimeError(
                 "optimizer.step() without a book-keeping backward: call backward() on the "
                 "loss of the private criterion first"
             )

@@ -24,17 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from absl import logging as absl_logging
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multiplier
-
-# dp_accounting logs a warning for every fractional Renyi order whose series does not
-# converge at large sampling rates; it drops those orders, which only loosens the bound.
-absl_logging.set_verbosity(absl_logging.ERROR)
 
 # Shape of the truncated negative binomial family in dp_accounting's RepeatAndSelectDpEvent:
 # inf = Poisson(mean), 1 = geometric (mean = 1 / gamma).
@@ -259,9 +254,7 @@ class SweepConditions:
         if self.adaptive_scheduler:
             reasons.append("the scheduler stops trials on their metrics (adaptive)")
         if self.release != "best":
-            reasons.append(
-                f"the sweep releases {RELEASES[self.release]}, not one selected model"
-            )
+            reasons.append(f"the sweep releases {RELEASES[self.release]}, not one selected model")
         return reasons
 
 
@@ -293,9 +286,7 @@ def candidate_mechanisms(
         chunks = [[b] for b in values]
     else:  # geometric chunks: sigma and q change by similar factors in each
         edges = np.geomspace(values[0], values[-1] + 1, max_candidates + 1)
-        chunks = [
-            [b for b in values if lo <= b < hi] for lo, hi in itertools.pairwise(edges)
-        ]
+        chunks = [[b for b in values if lo <= b < hi] for lo, hi in itertools.pairwise(edges)]
         chunks = [c for c in chunks if c]
     candidates = []
     for chunk in chunks:
@@ -366,9 +357,12 @@ def tuning_privacy_report(
         else np.zeros(len(ORDERS))
     )
     if drawn == 0:
-        quoted, why = "composition_epsilon", (
-            "K = 0 trials were drawn for this group: it ran and released nothing (no trial "
-            "was substituted, so the random-trials distribution holds as drawn)"
+        quoted, why = (
+            "composition_epsilon",
+            (
+                "K = 0 trials were drawn for this group: it ran and released nothing (no trial "
+                "was substituted, so the random-trials distribution holds as drawn)"
+            ),
         )
     elif obstacles:
         quoted = "composition_epsilon"

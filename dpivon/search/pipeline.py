@@ -25,7 +25,7 @@ shown or described)::
       - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
     trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
     trial_count: fixed               # fixed | poisson | geometric (see trial_counts)
-    concurrency: 2                   # max concurrent trials, >= 1
+    concurrency: 2                   # trials in flight sweep-wide, >= 1; null: all resources allow
     resources: {cpu: 1, gpu: 0}      # per trial; gpu may be fractional (0.25)
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: none}
     objectives:                      # exactly two, distinct
@@ -68,26 +68,26 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from dpivon.config import (
+    CIFAR10_TRAIN_IMAGES,
+    FLAT_KEYS,
     OPTIMIZER_NAMES,
+    DataConfig,
+    ModelConfig,
     TrainConfig,
+    TrainingConfig,
+    config_key,
     format_validation_error,
     read_yaml_mapping,
 )
+from dpivon.constraints import Count, Float, Int, Probability
 from dpivon.errors import DpivonError
-from dpivon.search.space import (
-    Float,
-    SearchSpace,
-    drop_union_tags,
-    load_search_space,
-    numeric,
-)
+from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
     "CIFAR10_TRAIN_IMAGES",
@@ -97,9 +97,6 @@ __all__ = [
     "load_pipeline",
 ]
 
-CIFAR10_TRAIN_IMAGES = 50_000
-CIFAR10_CLASSES = 10
-SYNTHETIC_DEFAULT_SIZE = TrainConfig.model_fields["synthetic_size"].default
 # the direction in which each selectable metric improves
 METRIC_MODES: dict[str, str] = {
     "val_accuracy": "max",
@@ -107,83 +104,57 @@ METRIC_MODES: dict[str, str] = {
     "val_nll": "min",
     "val_brier": "min",
 }
-# TrainConfig keys the pipeline's own fields set; `train:` may not repeat them
+# Config sections whose fields the pipeline's own keys set (data:, model:, epochs:,
+# epsilons:, delta:, accountant:, validation_noise:, seed:); `train:` may not repeat them
+_PIPELINE_SECTIONS = ("data", "model")
 _PIPELINE_KEYS = (
     "optimizer",
+    "epochs",
     "epsilon",
     "delta",
     "accountant",
-    "dataset",
-    "data_path",
-    "val_size",
-    "per_class",
-    "synthetic_size",
-    "model",
-    "epochs",
     "seed",
-    "data_seed",
     "val_noise_multiplier",
 )
 _NAME = re.compile(r"[a-z0-9_-]+")
 
-Int = Annotated[StrictInt, BeforeValidator(numeric)]
+
+def _owned_by_pipeline(key: str) -> bool:
+    return key in _PIPELINE_KEYS or FLAT_KEYS[key][0] in _PIPELINE_SECTIONS
+
+
+def train_extras(train: Any, kind: str) -> Any:
+    """A ``train:`` block as flat TrainConfig keys: keys (flat, or paths such as
+    ``optimizer.lr``) that the run file does not set with keys of its own."""
+    if train is None:
+        return {}
+    if not isinstance(train, dict):
+        return train  # the dict type check reports it
+    flat = {}
+    for key, value in train.items():
+        flat_key = config_key(str(key))
+        if _owned_by_pipeline(flat_key):
+            raise ValueError(
+                f"{key} is a {kind} setting, not a train extra; set it with the {kind}'s "
+                "own key (data:, model:, epochs:, epsilons:, ...)"
+            )
+        flat[flat_key] = value
+    return flat
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class DataSpec(_Strict):
-    dataset: Literal["cifar10", "synthetic"] = "cifar10"
-    data_path: str | None = None
-    val_size: Int | None = Field(None, ge=1)
-    per_class: Int | None = Field(None, ge=1)
-    synthetic_size: Int | None = Field(None, ge=CIFAR10_CLASSES)
-
-    @model_validator(mode="after")
-    def _check(self) -> DataSpec:
-        if self.dataset != "synthetic" and self.synthetic_size is not None:
-            raise ValueError("synthetic_size applies to dataset synthetic only; remove it")
-        total = self.total_train_images
-        if not self.effective_val_size < total:
-            raise ValueError(
-                f"val_size ({self.effective_val_size}) must be below the {total} training "
-                f"images of {self.dataset}"
-            )
-        if self.per_class is not None:
-            available = (total - self.effective_val_size) // CIFAR10_CLASSES
-            if self.per_class > available:
-                raise ValueError(
-                    f"per_class {self.per_class} exceeds the about {available} images per "
-                    f"class left after the validation split; pass per_class <= {available}"
-                )
-        return self
-
-    @property
-    def total_train_images(self) -> int:
-        """Images of the training part before the validation split."""
-        if self.dataset == "synthetic":
-            return self.synthetic_size or SYNTHETIC_DEFAULT_SIZE
-        return CIFAR10_TRAIN_IMAGES
-
-    @property
-    def effective_val_size(self) -> int:
-        if self.val_size is not None:
-            return self.val_size
-        return self.total_train_images // 10 if self.dataset == "synthetic" else 5000
-
-    @property
-    def train_size(self) -> int:
-        """Images trials train on (what the sampling rate q = batch_size / N refers to)."""
-        if self.per_class is not None:
-            return self.per_class * CIFAR10_CLASSES
-        return self.total_train_images - self.effective_val_size
+def _model_shorthand(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
 
 
 class OptimizerEntry(_Strict):
     name: str
     space: str = Field(min_length=1)
-    train: dict[str, Any] = Field(default_factory=dict)  # fixed keys for this optimizer only
+    # fixed keys for this optimizer only
+    train: Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "sweep"))] = {}
 
     @field_validator("name")
     @classmethod
@@ -248,7 +219,22 @@ def _as_list(value: Any) -> Any:
 
 
 class RunFile(_Strict):
-    """What every run file (a sweep pipeline, a benchmark pipeline) checks the same way."""
+    """What every run file (a sweep pipeline, a benchmark pipeline) holds and checks the
+    same way: the config sections its runs share, and where they are tracked and stored."""
+
+    kind: ClassVar[str]
+
+    name: str
+    data: DataConfig = DataConfig()
+    model: Annotated[ModelConfig, BeforeValidator(_model_shorthand)] = ModelConfig()
+    epochs: Count = TrainingConfig.model_fields["epochs"].default
+    delta: Probability = 1e-5
+    accountant: Literal["rdp", "prv"] = "rdp"
+    resources: Resources = Resources()
+    tracking_uri: str | None = None
+    experiment: str = ""
+    storage_path: str = Field("dpivon-runs", min_length=1)
+    train: dict[str, Any] = Field(default_factory=dict)  # more TrainConfig keys for every run
 
     _path: Path | None = PrivateAttr(None)
     _source_text: str = PrivateAttr("")
@@ -270,7 +256,25 @@ class RunFile(_Strict):
             data = {**data, "experiment": f"dpivon-{data.get('name')}"}
         return data
 
-    @field_validator("name", check_fields=False)
+    @field_validator("train", mode="before")
+    @classmethod
+    def _check_train(cls, train: Any) -> Any:
+        return train_extras(train, cls.kind)
+
+    def shared_train_config(self, seed: int) -> dict[str, Any]:
+        """The TrainConfig keys (flat) every run of this file starts from: its data (the
+        split from ``data.data_seed``, else ``seed``), model, epochs and accounting."""
+        data = self.data.model_dump()
+        data["data_seed"] = seed if self.data.data_seed is None else self.data.data_seed
+        return {
+            **data,
+            "model": self.model.name,
+            "epochs": self.epochs,
+            "delta": self.delta,
+            "accountant": self.accountant,
+        }
+
+    @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:
         if not _NAME.fullmatch(name):
@@ -278,22 +282,6 @@ class RunFile(_Strict):
                 f"{name!r} is not a valid {cls.kind} name; use lowercase letters, digits, - and _"
             )
         return name
-
-    @field_validator("model", check_fields=False)
-    @classmethod
-    def _check_model(cls, model: str) -> str:
-        from dpivon.models import MODEL_NAMES  # imports torch: only when a pipeline is loaded
-
-        if model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODEL_NAMES)}")
-        return model
-
-    @field_validator("delta", check_fields=False)
-    @classmethod
-    def _check_delta(cls, delta: float) -> float:
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
-        return delta
 
     @field_validator("experiment", check_fields=False)
     @classmethod
@@ -308,35 +296,27 @@ class Pipeline(RunFile):
 
     kind: ClassVar[str] = "sweep"
 
-    name: str
-    data: DataSpec = DataSpec()
-    model: str = TrainConfig.model_fields["model"].default
-    epochs: Int = Field(TrainConfig.model_fields["epochs"].default, ge=1)
     epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)] | None = None
     # The budget of each group's release instead of each trial's: dpivon solves the per-trial
     # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
     total_epsilon: Float | None = None
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
-    validation_noise: Float = Field(0.0, ge=0)  # > 0: DP validation scores (val_noise_multiplier)
-    delta: Float = TrainConfig.model_fields["delta"].default
-    accountant: Literal["rdp", "prv"] = "rdp"
+    validation_noise: Annotated[Float, Field(ge=0)] = (
+        0.0  # > 0: DP validation scores (val_noise_multiplier)
+    )
     optimizers: list[OptimizerEntry] = Field(min_length=1)
     trials: Int = Field(ge=1)
     trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
-    concurrency: Int = Field(1, ge=1)
-    resources: Resources = Resources()
+    # trials in flight at once over the whole sweep (all groups); None: as many as fit
+    concurrency: Int | None = Field(1, ge=1)
     scheduler: Scheduler = NoScheduler(type="none")
     objectives: list[Objective] = [
         Objective(metric="val_accuracy", mode="max"),
         Objective(metric="val_ece", mode="min"),
     ]
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
-    seed: Int = Field(0, ge=0)
-    tracking_uri: str | None = None
-    experiment: str = ""
-    storage_path: str = Field("dpivon-runs", min_length=1)
-    max_failures: Int = Field(1, ge=0)
-    train: dict[str, Any] = {}
+    seed: Annotated[Int, Field(ge=0)] = 0
+    max_failures: Annotated[Int, Field(ge=0)] = 1
 
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
 
@@ -395,24 +375,6 @@ class Pipeline(RunFile):
         if objectives[0].metric == objectives[1].metric:
             raise ValueError(f"the two objectives must differ, both are {objectives[0].metric}")
         return objectives
-
-    @field_validator("train", mode="before")
-    @classmethod
-    def _check_train(cls, train: Any) -> Any:
-        if train is None:
-            return {}
-        if not isinstance(train, dict):
-            return train  # the dict type check reports it
-        fields = set(TrainConfig.model_fields)
-        for key in train:
-            if key in _PIPELINE_KEYS:
-                raise ValueError(
-                    f"{key} is a pipeline setting, not a train extra; set it with the "
-                    "pipeline's own key (data:, model:, epochs:, epsilons:, ...)"
-                )
-            if key not in fields:
-                raise ValueError(f"{key!r} is not a TrainConfig field; check the spelling")
-        return {str(k): numeric(v) for k, v in train.items()}
 
     @model_validator(mode="after")
     def _check_scheduler(self) -> Pipeline:
@@ -504,27 +466,15 @@ class Pipeline(RunFile):
                 f"pipeline {self.path}: no epsilon {epsilon}; it has "
                 f"{', '.join(map(str, self.epsilon_list))}"
             )
-        config: dict[str, Any] = {
+        config = {
+            **self.shared_train_config(self.seed),
             "optimizer": optimizer,
-            "dataset": self.data.dataset,
-            "data_path": self.data.data_path,
-            "val_size": self.data.val_size,
-            "per_class": self.data.per_class,
+            "epsilon": float(epsilon if trial_epsilon is None else trial_epsilon),
+            "val_noise_multiplier": self.validation_noise,
+            # Each trial's training seed (and so its noise) is derived from the pipeline
+            # seed and the trial id: see dpivon.search.trial.
+            "seed": self.seed,
         }
-        if self.data.synthetic_size is not None:
-            config["synthetic_size"] = self.data.synthetic_size
-        config.update(
-            model=self.model,
-            epochs=self.epochs,
-            epsilon=float(epsilon if trial_epsilon is None else trial_epsilon),
-            delta=self.delta,
-            val_noise_multiplier=self.validation_noise,
-            accountant=self.accountant,
-            # The split follows the pipeline seed; each trial's training seed (and so its
-            # noise) is derived from it and the trial id: see dpivon.search.trial.
-            data_seed=self.seed,
-            seed=self.seed,
-        )
         config.update(self.train)
         config.update(next(e.train for e in self.optimizers if e.name == optimizer))
         return config
@@ -608,7 +558,9 @@ def _resolve_space(pipeline_path: Path, space: str, prefix: str) -> Path:
 def _check_trials(pipeline: Pipeline, where: str) -> None:
     """Cross-checks of the pipeline with its spaces: overlaps, batch sizes, TrainConfigs."""
     n_train = pipeline.data.train_size
-    default_batch = pipeline.train.get("batch_size", TrainConfig.model_fields["batch_size"].default)
+    default_batch = pipeline.train.get(
+        "batch_size", TrainingConfig.model_fields["batch_size"].default
+    )
     for i, (name, space) in enumerate(pipeline.spaces.items()):
         prefix = f"invalid {where}: optimizers.{i} ({name}, {space.path})"
         both = [k for k in pipeline.train if k in space.names]

@@ -34,6 +34,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
+from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
@@ -112,27 +113,28 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
             result.model,
             split,
             posterior=result.posterior,
-            bma_samples=config.bma_samples,
-            n_bins=config.ece_bins,
-            seed=config.seed,
+            bma_samples=config.evaluation.bma_samples,
+            n_bins=config.evaluation.ece_bins,
+            seed=config.runtime.seed,
         )
 
     val, test = predictive(data.val), predictive(data.test)
     temperature = fit_temperature(val.probs, val.labels)
     tempered = classification_metrics(
-        apply_temperature(test.probs, temperature), test.labels, config.ece_bins
+        apply_temperature(test.probs, temperature), test.labels, config.evaluation.ece_bins
     )
     extra = {
         **result.extra,
         "temperature": temperature,
         **{f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"},
     }
-    diagram = reliability_diagram(test.probs, test.labels, config.ece_bins)
+    diagram = reliability_diagram(test.probs, test.labels, config.evaluation.ece_bins)
     return replace(result, test=test.metrics, test_reliability=diagram, extra=extra)
 
 
 def run_one(config: TrainConfig, data: DataSplits, threads: int) -> TrainResult:
     """Body of the Ray task: train, test, temperature-scale; the model returns on the CPU."""
+    quiet_known_output()  # a Ray worker is an entry point of its own
     torch.set_num_threads(max(1, threads))
     return score_on_test(train(config, data=data, evaluate_test=False), data)
 
@@ -160,7 +162,7 @@ def _child_tags(spec: RunSpec) -> dict[str, str]:
         STATUS_TAG: "running",
         "dpivon.kind": "benchmark-run",
         "dpivon.method": spec.method,
-        "dpivon.optimizer": spec.config.optimizer,
+        "dpivon.optimizer": spec.config.optimizer.name,
         "dpivon.epsilon": f"{spec.epsilon:g}",
         "dpivon.replicate": str(spec.replicate),
     }
@@ -183,7 +185,7 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
     )
     tracker.log_params(
         run_id,
-        {**spec.config.model_dump(mode="json"), "method": spec.method, "replicate": spec.replicate},
+        {**spec.config.flat(), "method": spec.method, "replicate": spec.replicate},
     )
     return run_id
 
@@ -196,7 +198,9 @@ def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
         released = {k: v for k, v in metrics.items() if not (private and k == "train_loss")}
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
     log_training_result(tracker, run_id, result, with_model=False)
-    tracker.log_metrics(run_id, {"temperature": result.extra["temperature"]}, result.config.epochs)
+    tracker.log_metrics(
+        run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
+    )
     if result.test_reliability is not None:
         tracker.log_dict(run_id, reliability_to_dict(result.test_reliability), RELIABILITY_FILE)
     tracker.set_tags(run_id, {STATUS_TAG: COMPLETED})
@@ -246,7 +250,7 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
             "split_seed": pipeline.split_seed,
             "delta": pipeline.delta,
             "epochs": pipeline.epochs,
-            "model": pipeline.model,
+            "model": pipeline.model.name,
             "dataset": pipeline.data.dataset,
             "per_class": pipeline.data.per_class,
             "runs": len(pipeline.runs),
@@ -373,15 +377,15 @@ def report_benchmark(
     configs = {}
     for spec in pipeline.runs:
         configs.setdefault(
-            spec.method, {**spec.config.model_dump(mode="json"), "tuned_by": spec.tuned_by}
+            spec.method, {**spec.config.flat(), "tuned_by": spec.tuned_by}
         )
     data = pipeline.data
     subset = f", {data.per_class} per class" if data.per_class else ""
     settings = [
         f"data: {data.dataset} ({data.train_size} training images{subset}, "
-        f"{data.effective_val_size} validation, the full test set), split seed "
+        f"{data.val_size} validation, the full test set), split seed "
         f"{pipeline.split_seed}",
-        f"model {pipeline.model}, {pipeline.epochs} epochs, delta {pipeline.delta:g}, "
+        f"model {pipeline.model.name}, {pipeline.epochs} epochs, delta {pipeline.delta:g}, "
         f"accountant {pipeline.accountant}",
         f"seeds {pipeline.seeds}; {len(records)} of {len(pipeline.runs)} runs completed",
         f"MLflow: experiment `{tracker.experiment_name}`, parent run `{parent}`",

@@ -63,15 +63,9 @@ from dpivon.config import (
     parse_config,
     read_yaml_mapping,
 )
+from dpivon.constraints import Float, Int
 from dpivon.errors import DpivonError
-from dpivon.search.pipeline import (
-    _PIPELINE_KEYS,
-    SYNTHETIC_DEFAULT_SIZE,
-    DataSpec,
-    Resources,
-    RunFile,
-)
-from dpivon.search.space import Float, Int, numeric
+from dpivon.search.pipeline import RunFile, train_extras
 from dpivon.search.trial import trial_seed
 
 MIN_SEEDS = 3
@@ -83,24 +77,7 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
-def _check_train_extras(train: Any) -> Any:
-    """``train:`` may hold TrainConfig fields the benchmark does not set itself."""
-    if train is None:
-        return {}
-    if not isinstance(train, dict):
-        return train  # the dict type check reports it
-    for key in train:
-        if key in _PIPELINE_KEYS:
-            raise ValueError(
-                f"{key} is a benchmark setting, not a train extra; set it with the "
-                "benchmark's own key (data:, model:, epochs:, epsilons:, seeds:, ...)"
-            )
-        if key not in TrainConfig.model_fields:
-            raise ValueError(f"{key!r} is not a TrainConfig field; check the spelling")
-    return {str(k): numeric(v) for k, v in train.items()}
-
-
-TrainExtras = Annotated[dict[str, Any], BeforeValidator(_check_train_extras)]
+TrainExtras = Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "benchmark"))]
 
 
 class _Strict(BaseModel):
@@ -154,23 +131,12 @@ class BenchmarkPipeline(RunFile):
 
     kind: ClassVar[str] = "benchmark"
 
-    name: str
-    data: DataSpec = DataSpec()
-    model: str = TrainConfig.model_fields["model"].default
-    epochs: Int = Field(TrainConfig.model_fields["epochs"].default, ge=1)
     epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
     seeds: Annotated[list[Int], BeforeValidator(_as_list)]
-    split_seed: Int = Field(0, ge=0)
-    delta: Float = TrainConfig.model_fields["delta"].default
-    accountant: Literal["rdp", "prv"] = "rdp"
+    split_seed: Annotated[Int, Field(ge=0)] = 0
     methods: list[Method] = Field(min_length=1)
-    concurrency: Int = Field(2, ge=1)
-    resources: Resources = Resources()
-    run_timeout_s: Float = Field(6 * 3600.0, gt=0)
-    tracking_uri: str | None = None
-    experiment: str = ""
-    storage_path: str = Field("dpivon-runs", min_length=1)
-    train: TrainExtras = Field(default_factory=dict)
+    concurrency: Annotated[Int, Field(ge=1)] = 2
+    run_timeout_s: Annotated[Float, Field(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
     _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
@@ -242,27 +208,14 @@ class BenchmarkPipeline(RunFile):
 
     def base_config(self, method: Method, epsilon: float, replicate: int) -> dict[str, Any]:
         """The TrainConfig keys the benchmark sets for one run (before a sweep's pick)."""
-        config: dict[str, Any] = {
+        config = {
+            **self.shared_train_config(self.split_seed),
             "optimizer": method.optimizer,
-            "dataset": self.data.dataset,
-            "data_path": self.data.data_path,
-            "val_size": self.data.val_size,
-            "per_class": self.data.per_class,
-        }
-        config.update(
-            # set even for cifar10, so that a sweep's pick cannot bring its own
-            synthetic_size=self.data.synthetic_size or SYNTHETIC_DEFAULT_SIZE,
-            model=self.model,
-            epochs=self.epochs,
-            epsilon=float(epsilon),
-            delta=self.delta,
-            accountant=self.accountant,
-            data_seed=self.split_seed,
-            seed=trial_seed(replicate, f"{method.name}@{epsilon!r}"),
+            "epsilon": float(epsilon),
+            "seed": trial_seed(replicate, f"{method.name}@{epsilon!r}"),
             # research runs, reproducible by seed; a release would use secure mode
-            secure_mode=False,
-            fail_at_epoch=None,
-        )
+            "secure_mode": False,
+        }
         return config
 
 
@@ -296,7 +249,7 @@ def _tuned_configs(
             )
         except DpivonError as err:
             raise DpivonError(f"{prefix}: group {group}: {err}") from None
-        picked[eps] = (config.model_dump(), f"{directory.name}/{group}/{row['trial_id']}")
+        picked[eps] = (config.flat(), f"{directory.name}/{group}/{row['trial_id']}")
         budgets[eps] = int(
             ((trials["optimizer"] == method.optimizer) & (trials["epsilon"] == eps)).sum()
         )
@@ -345,9 +298,9 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                 }
                 source = f"{where}: method {method.name} at epsilon {eps:g}"
                 config = parse_config(keys, source=source)
-                if config.batch_size > pipeline.data.train_size:
+                if config.training.batch_size > pipeline.data.train_size:
                     raise DpivonError(
-                        f"invalid {source}: batch_size {config.batch_size} exceeds the "
+                        f"invalid {source}: batch_size {config.training.batch_size} exceeds the "
                         f"{pipeline.data.train_size} training images; lower it"
                     )
                 runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))

@@ -1,0 +1,74 @@
+"""Range constraints for config fields, declared on the field and reported in one line.
+
+``lr: Annotated[float, Bound(gt=0)]`` rejects 0 with "lr must be > 0, got 0": the message
+names the field and the whole interval (``beta2 must be in [0, 1), got 1.5``), which
+pydantic's own ``Field(gt=...)`` messages ("Input should be greater than 0") do not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, StrictBool, StrictFloat, StrictInt, ValidationInfo
+
+
+@dataclass(frozen=True)
+class _Interval:
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    shown: str | None = None  # the interval as the message shows it, e.g. "[0, 2**32)"
+
+    def text(self) -> str:
+        if self.shown is not None:
+            return self.shown
+        low = self.gt if self.gt is not None else self.ge
+        high = self.lt if self.lt is not None else self.le
+        if high is None:
+            return f"{'>' if self.gt is not None else '>='} {low:g}"
+        if low is None:
+            return f"{'<' if self.lt is not None else '<='} {high:g}"
+        opening = "(" if self.gt is not None else "["
+        closing = ")" if self.lt is not None else "]"
+        return f"in {opening}{low:g}, {high:g}{closing}"
+
+    def holds(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        return not (
+            (self.gt is not None and not value > self.gt)
+            or (self.ge is not None and not value >= self.ge)
+            or (self.lt is not None and not value < self.lt)
+            or (self.le is not None and not value <= self.le)
+        )
+
+    def __call__(self, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not self.holds(value):
+            raise ValueError(f"{info.field_name} must be {self.text()}, got {value!r}")
+        return value
+
+
+def Bound(
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    shown: str | None = None,
+) -> AfterValidator:
+    """A field's interval; None passes (an unset option that takes a default)."""
+    return AfterValidator(_Interval(gt, ge, lt, le, shown))
+
+
+# Strict types: YAML reads `yes` as True and pydantic would take it for the number 1.
+Float = StrictFloat
+Int = StrictInt
+Bool = StrictBool
+PositiveFloat = Annotated[StrictFloat, Bound(gt=0)]
+NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
+Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
+Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]
+Count = Annotated[StrictInt, Bound(ge=1)]

@@ -1,0 +1,26 @@
+"""What dpivon's entry points (the CLI, a Ray trial) set up before they run: the known,
+understood warnings and library chatter off. Library modules never do this at import."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+_KNOWN_WARNINGS = (
+    "Secure RNG turned off",  # Opacus: fine for research runs; secure_mode for a release
+    "Optimal order is the largest alpha",  # RDP: harmless at these budgets
+    "Full backward hook is firing",  # torch: inputs need no grad, per-sample grads are exact
+)
+
+
+def quiet_known_output() -> None:
+    """Silence what would flood every run's output without telling the user anything."""
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{message}")
+    # progress bars for kilobyte-sized artifact copies only clutter the logs
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    # dp_accounting warns for every fractional Renyi order whose series does not converge at
+    # large sampling rates; it drops those orders, which only loosens the bound
+    logging.getLogger("absl").setLevel(logging.ERROR)

@@ -1,0 +1,76 @@
+"""A test-only fault: a run raises after a chosen epoch, which the failure-recording and
+retry tests need. Production code has no such hook; tests install it.
+
+- In-process: pass ``fail_after(epoch)`` as ``train``'s ``on_epoch_end``.
+- In Ray trial workers: start Ray with ``runtime_env=trial_faults_runtime_env(path)``; then,
+  inside ``with injected_faults(path, {"dp-sgd": 1}):``, every dp-sgd trial raises after
+  its epoch 1. Only the attempt that trains that epoch fails: a retry resumed from the
+  epoch's checkpoint goes on, like after a transient crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+FAULTS_FILE_ENV = "DPIVON_TEST_FAULTS_FILE"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose to exercise failure handling."""
+
+
+def fail_after(epoch: int, then: Callable | None = None) -> Callable:
+    """An ``on_epoch_end`` callback that raises after ``epoch`` (after ``then`` ran)."""
+
+    def on_epoch_end(report) -> None:
+        if then is not None:
+            then(report)
+        if report.epoch == epoch:
+            raise InjectedFailure(f"failure injected after epoch {epoch}")
+
+    return on_epoch_end
+
+
+def install() -> None:
+    """Ray's ``worker_process_setup_hook``: wrap the trials' training so that it reads the
+    faults file at every trial start (a file, so a test can change the faults while the
+    workers live)."""
+    from dpivon.search import trial
+
+    real_train = trial.train
+    faults_file = Path(os.environ[FAULTS_FILE_ENV])
+
+    def train(config, *, on_epoch_end=None, **kwargs):
+        faults = json.loads(faults_file.read_text()) if faults_file.exists() else {}
+        epoch = faults.get(config.optimizer.name)
+        if epoch is not None:
+            on_epoch_end = fail_after(epoch, on_epoch_end)
+        return real_train(config, on_epoch_end=on_epoch_end, **kwargs)
+
+    trial.train = train
+
+
+def trial_faults_runtime_env(faults_file: Path) -> dict:
+    """The ``runtime_env`` for ``ray.init`` that installs the hook in every worker."""
+    tests = str(Path(__file__).parent)
+    return {
+        "env_vars": {
+            FAULTS_FILE_ENV: str(faults_file),
+            "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+        },
+        "worker_process_setup_hook": "fault_injection.install",
+    }
+
+
+@contextmanager
+def injected_faults(faults_file: Path, faults: dict[str, int]) -> Iterator[None]:
+    """Within the block, trials of each named optimizer fail after the given epoch."""
+    faults_file.write_text(json.dumps(faults))
+    try:
+        yield
+    finally:
+        faults_file.unlink(missing_ok=True)
