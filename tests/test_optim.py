@@ -557,3 +557,16 @@ def test_build_optimizer_passes_ivon_options():
     group = opt.param_groups[0]
     assert group["ess"] == 1000.0
     assert group["clip_radius"] == 0.5
+
+
+def test_an_sgd_option_reaches_torch_from_every_entry_point():
+    """nesterov is declared once, on SGDOptions: config, --set paths and flat keys take it."""
+    flat = TrainConfig(optimizer="dp-sgd", nesterov=True)
+    by_path = TrainConfig.model_validate({"optimizer": "dp-sgd", "optimizer.nesterov": True})
+    assert flat == by_path and flat.flat()["nesterov"] is True
+    opt = build_optimizer(flat.optimizer, make_model().parameters(), dataset_size=50)
+    assert opt.param_groups[0]["nesterov"] is True
+    with pytest.raises(ValueError, match="nesterov needs momentum > 0"):
+        TrainConfig(optimizer="sgd", nesterov=True, momentum=0.0)
+    with pytest.raises(ValueError, match="nesterov does not apply to adam"):
+        TrainConfig(optimizer="adam", nesterov=True)

@@ -51,9 +51,21 @@ class OptimizerOptions(BaseModel):
 
 class SGDOptions(OptimizerOptions):
     momentum: Rate
+    nesterov: Bool = False  # Nesterov's look-ahead momentum; needs momentum > 0
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDOptions:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs momentum > 0")
+        return self
 
     def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "nesterov": self.nesterov,
+        }
 
 
 class AdamOptions(OptimizerOptions):
