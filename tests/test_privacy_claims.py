@@ -58,6 +58,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def one_epoch_plan(dataset_size: int, batch_size: int, target_epsilon: float):
+    return plan_privacy(
+        target_epsilon=target_epsilon,
+        delta=1e-5,
+        max_grad_norm=1.0,
+        accountant="rdp",
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        epochs=1,
+    )
+
+
 # The full-CIFAR batch sizes (45,000 training images) that crashed Opacus 1.6's make_private.
 OPACUS_CRASHES = [
     *range(366, 369),
@@ -79,15 +91,8 @@ def test_plan_is_what_opacus_records_for_every_batch_size(dataset_size, batch_si
     features = torch.randn(dataset_size, 3)
     labels = torch.randint(0, 2, (dataset_size,))
     for batch_size in batch_sizes:
-        plan = plan_privacy(
-            target_epsilon=math.inf,  # no calibration: the wiring is what is checked here
-            delta=1e-5,
-            max_grad_norm=1.0,
-            accountant="rdp",
-            dataset_size=dataset_size,
-            batch_size=batch_size,
-            epochs=1,
-        )
+        # no calibration: the wiring is what is checked here
+        plan = one_epoch_plan(dataset_size, batch_size, math.inf)
         plan = dataclasses.replace(plan, noise_multiplier=0.7)
         model = nn.Linear(3, 2)
         optimizer = DPIVON(
@@ -113,15 +118,7 @@ def test_plan_is_what_opacus_records_for_every_batch_size(dataset_size, batch_si
 
 
 def test_poisson_sampler_includes_each_example_at_rate_q():
-    plan = plan_privacy(
-        target_epsilon=math.inf,
-        delta=1e-5,
-        max_grad_norm=1.0,
-        accountant="rdp",
-        dataset_size=500,
-        batch_size=37,
-        epochs=1,
-    )
+    plan = one_epoch_plan(500, 37, math.inf)
     sampler = PoissonBatches(
         torch.zeros(500, 1),
         torch.arange(500),
@@ -140,15 +137,7 @@ def test_poisson_sampler_includes_each_example_at_rate_q():
 
 @pytest.mark.parametrize(("dataset_size", "batch_size"), [(990, 10), (1050, 10), (1170, 10)])
 def test_k_minus_one_cases_plan_at_most_the_target(dataset_size, batch_size):
-    plan = plan_privacy(
-        target_epsilon=8.0,
-        delta=1e-5,
-        max_grad_norm=1.0,
-        accountant="rdp",
-        dataset_size=dataset_size,
-        batch_size=batch_size,
-        epochs=1,
-    )
+    plan = one_epoch_plan(dataset_size, batch_size, 8.0)
     spent = independent_epsilon(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-5)
     assert spent == pytest.approx(plan.planned_epsilon(), abs=0.02)  # other order grid
     assert plan.planned_epsilon() <= 8.0
