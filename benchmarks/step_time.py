@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from dpivon import training
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
+from dpivon.logs import quiet_known_output
 from dpivon.privacy.engine import plan_privacy
 from dpivon.training import build_training, load_data, resolve_device, seed_everything, train_step
 
@@ -309,6 +310,7 @@ def print_epoch_table(epochs: list[Row], console: Console) -> None:
 
 
 def main() -> None:
+    quiet_known_output()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tanh-cnn", "wrn-16-4"])
     parser.add_argument(
