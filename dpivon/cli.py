@@ -19,12 +19,43 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
 from dpivon.config import field_info, load_configs, parse_assignments, parse_config
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 
+
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """Usage errors (a flag's bad value, an unknown option) as one line and exit 2, like
+    every other input error, instead of click's usage panel."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click_errors.NoArgsIsHelpError:
+            sys.exit(2)  # the help is on the screen already
+        except click_errors.UsageError as err:
+            where = err.ctx.command_path if err.ctx is not None else "dpivon"
+            message = " ".join(err.format_message().split())
+            console.print(
+                f"[bold red]error:[/] {message} (see {where} --help)",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(2)
+        except click_errors.ClickException as err:
+            console.print(f"[bold red]error:[/] {err.format_message()}", highlight=False)
+            sys.exit(err.exit_code)
+        except click_errors.Abort:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     add_completion=False,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -208,7 +239,7 @@ def train(
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import load_data
+    from dpivon.training import check_fits, load_data
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -225,6 +256,8 @@ def train(
             )
     check_outputs(json_path, experiment)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
+    for cfg, data in zip(configs, datasets, strict=True):
+        check_fits(cfg, data)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
@@ -293,7 +326,7 @@ def sweep(
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
     from dpivon.search.pipeline import load_pipeline
-    from dpivon.search.sweep import SweepInterrupted, run_sweep, sweep_directory
+    from dpivon.search.sweep import SweepInterrupted, run_sweep, sweep_storage
 
     loaded = load_pipeline(pipeline)
     try:
@@ -308,7 +341,7 @@ def sweep(
     counts = trials["status"].value_counts().to_dict()
     console.print(
         f"sweep {loaded.name!r} finished: {counts}; results in "
-        f"{sweep_directory(loaded)}; open the MLflow UI with `make ui`"
+        f"{sweep_storage(loaded).uri}; open the MLflow UI with `make ui`"
     )
 
 

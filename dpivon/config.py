@@ -138,7 +138,8 @@ class ModelConfig(Section):
 
 
 class TrainingConfig(Section):
-    epochs: Count = 10
+    # bounded: the noise calibration searches over epochs * steps per epoch
+    epochs: Annotated[Int, Bound(ge=1, le=100_000)] = 10
     batch_size: Count = 256  # expected batch size b of Poisson sampling (private runs)
     lr_schedule: Literal["constant", "cosine"] = "constant"
 
@@ -230,6 +231,15 @@ _RETIRED_FLAT_VALUES = {
 }
 
 
+def _retired(key: Any, value: Any) -> bool:
+    """Whether an older flat file's ``key: value`` means "not set" (same type and value:
+    `mc_samples: yes` is no retired 1)."""
+    return any(
+        value is old or (type(value) is type(old) and value == old)
+        for old in _RETIRED_FLAT_VALUES.get(key, (None,) if key in OPTION_NAMES else ())
+    )
+
+
 def config_key(name: str) -> str:
     """The flat key that ``name`` (a flat key such as ``lr`` or a path such as
     ``optimizer.lr``) denotes; ValueError naming the closest keys when there is none."""
@@ -295,27 +305,37 @@ class TrainConfig(BaseModel):
         if not isinstance(data, Mapping):
             return data
         tree: dict[str, Any] = {}
+
+        def section(name: str) -> dict | None:
+            current = tree.setdefault(name, {})
+            return current if isinstance(current, dict) else None  # a non-mapping: an error
+
         for key, value in data.items():
             if key in SECTIONS and isinstance(value, Mapping | BaseModel):
                 given = value.model_dump() if isinstance(value, BaseModel) else value
-                tree.setdefault(key, {}).update(given)
-            elif key in FLAT_KEYS or "." in str(key):
+                if (target := section(key)) is not None:
+                    target.update(given)
+            elif key in SECTIONS and key not in FLAT_KEYS:
+                tree[key] = value  # validation says it is no mapping
+            elif isinstance(key, str) and (key in FLAT_KEYS or "." in key):
                 try:
-                    section, field_name = FLAT_KEYS[config_key(str(key))]
+                    section_name, field_name = FLAT_KEYS[config_key(key)]
                 except ValueError:
                     tree[key] = value  # extra="forbid" names it
                     continue
-                tree.setdefault(section, {})[field_name] = value
-            elif value not in _RETIRED_FLAT_VALUES.get(key, ()):
+                if (target := section(section_name)) is not None:
+                    target[field_name] = value
+            elif not _retired(key, value):
                 tree[key] = value
         # options of another family that an older flat file holds at the old defaults
-        name = tree.get("optimizer", {}).get("name", "dp-ivon-gradsq")
-        fields = OPTIMIZERS[name].options.model_fields if name in OPTIMIZERS else {}
-        tree["optimizer"] = {
-            k: v
-            for k, v in tree.get("optimizer", {}).items()
-            if k in fields or v not in _RETIRED_FLAT_VALUES.get(k, (None,))
-        }
+        options = tree.setdefault("optimizer", {})  # {}: the default optimizer
+        if isinstance(options, dict):
+            name = options.get("name", "dp-ivon-gradsq")
+            spec = OPTIMIZERS.get(name) if isinstance(name, str) else None
+            fields = spec.options.model_fields if spec is not None else {}
+            tree["optimizer"] = {
+                k: v for k, v in options.items() if k in fields or not _retired(k, v)
+            }
         return tree
 
     @field_validator("optimizer", mode="before")
@@ -400,10 +420,10 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-6`` and ``1E+3`` as floats.
+    """PyYAML's safe loader, reading ``1e-6``, ``1E+3`` and ``inf`` as floats.
 
     YAML 1.1 (what PyYAML implements) wants a dot in a float's mantissa, so ``1e-6`` would
-    be the string "1e-6"; YAML 1.2 and every user read it as a number.
+    be the string "1e-6", and writes infinity ``.inf``; users write both as numbers.
     """
 
 
@@ -411,12 +431,12 @@ _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
         r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.?(?:inf|Inf|INF)
         |\.(?:nan|NaN|NAN))$""",
         re.X,
     ),
-    list("-+0123456789."),
+    list("-+0123456789.iI"),
 )
 
 
@@ -433,8 +453,11 @@ def _read_yaml(path: str | Path) -> Any:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(err, "problem", err)
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
         raise DpivonError(f"{path} is not valid YAML{where}: {problem}") from None
+    except (ValueError, RecursionError) as err:  # PyYAML's constructors, its composer
+        problem = " ".join(str(err).split())[:200] or type(err).__name__
+        raise DpivonError(f"{path} is not valid YAML: {problem}") from None
 
 
 def format_validation_error(err: ValidationError) -> str:

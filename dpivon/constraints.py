@@ -36,7 +36,7 @@ class _Interval:
         return f"in {opening}{low:g}, {high:g}{closing}"
 
     def holds(self, value: float) -> bool:
-        if math.isnan(value):
+        if isinstance(value, float) and math.isnan(value):
             return False
         return not (
             (self.gt is not None and not value > self.gt)

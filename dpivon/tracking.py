@@ -23,6 +23,7 @@ import mlflow
 import numpy as np
 import torch
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
@@ -86,16 +87,25 @@ class Tracker:
     def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT):
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         check_tracking_server(self.tracking_uri)
-        mlflow.set_tracking_uri(self.tracking_uri)
-        self.client = MlflowClient(self.tracking_uri)
         self.display_uri = redact_uri(self.tracking_uri)
         self.experiment_name = experiment
-        existing = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (
-            existing.experiment_id
-            if existing
-            else self.client.create_experiment(experiment, _artifact_location(self.tracking_uri))
-        )
+        try:
+            mlflow.set_tracking_uri(self.tracking_uri)
+            self.client = MlflowClient(self.tracking_uri)
+            existing = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = (
+                existing.experiment_id
+                if existing
+                else self.client.create_experiment(
+                    experiment, _artifact_location(self.tracking_uri)
+                )
+            )
+        except (MlflowException, ImportError, OSError) as err:  # a store MLflow cannot use
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise DpivonError(
+                f"cannot use the tracking URI {self.display_uri}: {first_line[:300]} (use "
+                "sqlite:///mlflow.db, a file path, or http(s)://host:port of an MLflow server)"
+            ) from None
 
     def start_run(
         self, run_name: str, *, parent_run_id: str | None = None, tags: Mapping[str, str] = ()

@@ -189,15 +189,21 @@ class TrainingSetup:
     private: PrivateTraining | None
 
 
-def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
-    """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
-    features, labels = (t.to(device) for t in data.train.tensors)
-    n_train = len(labels)
+def check_fits(config: TrainConfig, data: DataSplits) -> None:
+    """A batch no larger than the training set: checked before a run is opened."""
+    n_train = len(data.train)
     if config.training.batch_size > n_train:
         raise DpivonError(
-            f"batch size {config.training.batch_size} is larger than the training set ({n_train} "
-            "examples); lower --batch-size or use more data"
+            f"batch size {config.training.batch_size} is larger than the training set "
+            f"({n_train} examples); lower --batch-size or use more data"
         )
+
+
+def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
+    """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
+    check_fits(config, data)
+    features, labels = (t.to(device) for t in data.train.tensors)
+    n_train = len(labels)
     model = build_model(config.model.name).to(device)
     plan = None
     if config.is_private:

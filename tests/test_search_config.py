@@ -11,17 +11,12 @@ import numpy as np
 import optuna
 import pytest
 import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from dpivon.config import TrainConfig, parse_config
+from dpivon.config import FLAT_KEYS, parse_config
 from dpivon.errors import DpivonError
 from dpivon.search.pipeline import Pipeline, draw_trial_count, load_pipeline
-from dpivon.search.space import (
-    CategoricalParam,
-    FloatParam,
-    IntParam,
-    SearchSpace,
-    load_search_space,
-)
+from dpivon.search.space import SearchSpace, load_search_space
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
@@ -44,15 +39,15 @@ def _study(seed: int = 0) -> optuna.Study:
 
 def _assert_inside(space: SearchSpace, params: dict[str, Any]) -> None:
     for name, value in params.items():
-        param = space.sampled[name]
-        if isinstance(param, FloatParam):
+        param = space.distributions[name]
+        if isinstance(param, FloatDistribution):
             assert isinstance(value, float)
             assert param.low <= value <= param.high, (name, value)
-        elif isinstance(param, IntParam):
+        elif isinstance(param, IntDistribution):
             assert isinstance(value, int)
             assert param.low <= value <= param.high, (name, value)
         else:
-            assert isinstance(param, CategoricalParam)
+            assert isinstance(param, CategoricalDistribution)
             assert value in param.choices, (name, value)
 
 
@@ -113,10 +108,10 @@ def test_shipped_space_loads_and_samples_inside_bounds(path):
 
 def test_full_size_spaces_follow_the_lessons():
     ivon = load_search_space(ROOT / "search_spaces/dp-ivon-gradsq.yaml")
-    lr = ivon.sampled["lr"]
-    assert isinstance(lr, FloatParam) and lr.log and lr.low > 0.2 and lr.high >= 10
-    beta2 = ivon.sampled["beta2"]
-    assert isinstance(beta2, CategoricalParam)
+    lr = ivon.distributions["lr"]
+    assert isinstance(lr, FloatDistribution) and lr.log and lr.low > 0.2 and lr.high >= 10
+    beta2 = ivon.distributions["beta2"]
+    assert isinstance(beta2, CategoricalDistribution)
     assert {0.99, 0.999, 0.9999, 0.99999} <= set(beta2.choices)
     uncorrected = load_search_space(ROOT / "search_spaces/dp-ivon-gradsq-uncorrected.yaml")
     assert uncorrected.to_dict()["params"] == ivon.to_dict()["params"]
@@ -142,20 +137,21 @@ def test_shipped_pipeline_loads_and_every_trial_is_a_train_config(path):
             base = pipeline.base_train_config(name, eps)
             for _, params in _sample(space, 5):
                 config = parse_config({**base, **space.trial_config(params)})
-                assert config.optimizer == name and config.epsilon == eps
-                assert config.model == pipeline.model and config.epochs == pipeline.epochs
-                assert config.batch_size <= pipeline.data.train_size
+                assert config.optimizer.name == name and config.privacy.epsilon == eps
+                assert config.model == pipeline.model
+                assert config.training.epochs == pipeline.epochs
+                assert config.training.batch_size <= pipeline.data.train_size
 
 
 def test_shipped_pipelines_say_what_they_promise():
     quick = load_pipeline(ROOT / "pipelines/quickstart.yaml")
     assert quick.data.train_size == 4000 and quick.data.val_size == 1000
-    assert quick.model == "small-cnn" and quick.epochs == 4 and quick.epsilon_list == [8.0]
+    assert quick.model.name == "small-cnn" and quick.epochs == 4 and quick.epsilon_list == [8.0]
     assert quick.optimizer_names == ["dp-ivon-gradsq", "dp-sgd", "dp-adam"]
     assert quick.trials == 4 and quick.concurrency == 2 and quick.resources.cpu == 1
     assert quick.scheduler.type == "asha" and quick.train == {"bma_samples": 8}
     grid = load_pipeline(ROOT / "pipelines/cifar10-eps-grid.yaml")
-    assert grid.data.train_size == 45_000 and grid.model == "tanh-cnn" and grid.epochs == 30
+    assert grid.data.train_size == 45_000 and grid.model.name == "tanh-cnn" and grid.epochs == 30
     assert grid.epsilon_list == [1.0, 2.0, 4.0, 8.0]
     assert grid.resources.gpu == 0.5 and grid.concurrency == 8
     cluster = load_pipeline(ROOT / "pipelines/cluster-example.yaml")
@@ -261,22 +257,38 @@ def test_trial_config_checks_its_input(tmp_path):
         space.trial_config({**good, "use_wd": True})
 
 
-def test_numeric_strings_are_numbers(tmp_path):
+def test_yaml_numbers_are_numbers(tmp_path):
     space = load_search_space(
         _write(
             tmp_path / "s.yaml",
             "optimizer: dp-adam\nparams:\n"
             "  lr: {type: float, low: 1e-4, high: 3e-2, log: true}\n"
-            "  weight_decay: {type: categorical, choices: [0, 1e-5, '1e-4']}\n"
-            "  max_grad_norm: 1e0\n",
+            "  weight_decay: {type: categorical, choices: [0, 1e-5, 1.0e-4]}\n"
+            "  max_grad_norm: 1e0\n"
+            "  clip_radius: inf\n",
         )
     )
-    lr = space.sampled["lr"]
-    assert isinstance(lr, FloatParam) and (lr.low, lr.high) == (1e-4, 3e-2)
-    assert space.sampled["weight_decay"].choices == [0, 1e-5, 1e-4]
-    assert space.fixed == {"max_grad_norm": 1.0}
+    lr = space.distributions["lr"]
+    assert isinstance(lr, FloatDistribution) and (lr.low, lr.high) == (1e-4, 3e-2)
+    assert space.distributions["weight_decay"].choices == (0, 1e-5, 1e-4)
+    assert space.fixed == {"max_grad_norm": 1.0, "clip_radius": math.inf}
     data = space.to_dict()
     assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+def test_a_parameter_may_be_named_by_its_config_path(tmp_path):
+    space = load_search_space(
+        _write(
+            tmp_path / "s.yaml",
+            "optimizer: dp-sgd\nparams:\n"
+            "  optimizer.lr: {type: float, low: 0.05, high: 10.0, log: true}\n"
+            "  training.batch_size: 64\n",
+        )
+    )
+    assert space.names == ["lr", "batch_size"] and space.max_value("batch_size") == 64
+    (_, params), *_ = _sample(space, 1)
+    config = parse_config(space.trial_config(params))
+    assert config.optimizer.lr == params["optimizer.lr"] and config.training.batch_size == 64
 
 
 BAD_SPACES = {
@@ -300,11 +312,11 @@ BAD_SPACES = {
     "low-equals-high": ("params: {batch_size: {type: int, low: 64, high: 64}}", "below high"),
     "log-needs-positive-low": (
         "params: {weight_decay: {type: float, low: 0, high: 1, log: true}}",
-        "log: true needs low > 0",
+        "`low > 0` must hold for `log=True`",
     ),
     "step-and-log": (
         "params: {lr: {type: float, low: 1, high: 2, log: true, step: 0.5}}",
-        "exclude each other",
+        "`step` is not supported when `log` is true",
     ),
     "step-not-dividing": (
         "params: {batch_size: {type: int, low: 32, high: 100, step: 32}}",
@@ -318,10 +330,10 @@ BAD_SPACES = {
         "params: {batch_size: {type: int, low: many, high: 256}}",
         "valid integer",
     ),
-    "float-bound-bool": ("params: {lr: {type: float, low: true, high: 2}}", "valid number"),
+    "float-bound-bool": ("params: {lr: {type: float, low: true, high: 2}}", "takes no boolean"),
     "int-log-step": (
         "params: {batch_size: {type: int, low: 32, high: 256, log: true, step: 32}}",
-        "log: true needs step 1",
+        "only accept step is 1 when `log` argument is True",
     ),
     "empty-choices": ("params: {momentum: {type: categorical, choices: []}}", "at least 1 item"),
     "duplicate-choices": (
@@ -361,14 +373,13 @@ BAD_SPACES = {
     ),
     "not-a-field": (
         "params: {lrr: {type: float, low: 1, high: 2}}",
-        "'lrr' is not a TrainConfig field (nor a categorical switch named by a when); "
-        "did you mean 'lr'?",
+        "params.lrr: 'lrr' is not a TrainConfig field (did you mean lr?), nor a switch",
     ),
     "pipeline-owned": (
         "params: {epochs: {type: int, low: 1, high: 5}}",
         "epochs is set by the pipeline",
     ),
-    "pipeline-owned-fixed": ("params: {fail_at_epoch: 1}", "fail_at_epoch is set by the pipeline"),
+    "pipeline-owned-fixed": ("params: {device: cpu}", "device is set by the pipeline"),
     "switch-not-categorical": (
         "params:\n  use: {type: int, low: 0, high: 1}\n"
         "  weight_decay: {type: float, low: 0.1, high: 1, when: {use: 1}}\n",
@@ -376,11 +387,11 @@ BAD_SPACES = {
     ),
     "switch-unused": (
         "params: {use_wd: {type: categorical, choices: [true, false]}}",
-        "'use_wd' is not a TrainConfig field",
+        "params.use_wd: 'use_wd' is not a TrainConfig field",
     ),
     "bound-invalid-for-trainconfig": (
-        "params: {momentum: 0.9, beta2: {type: categorical, choices: [0.9, 1.5]}}",
-        "params.beta2 = 1.5 is not a valid dp-sgd setting: beta2 must be in [0, 1)",
+        "optimizer: dp-adam\nparams: {beta2: {type: categorical, choices: [0.9, 1.5]}}",
+        "params.beta2 = 1.5 is not a valid dp-adam setting: beta2 must be in [0, 1)",
     ),
     "low-invalid-for-trainconfig": (
         "params: {lr: {type: float, low: 0, high: 1}}",
@@ -483,7 +494,7 @@ def test_pipeline_api(tmp_path):
         "optimizer": "dp-adam",
         "dataset": "synthetic",
         "data_path": None,
-        "val_size": None,
+        "val_size": 60,  # the data section fills its default: a tenth of synthetic_size
         "per_class": None,
         "synthetic_size": 600,
         "model": "small-cnn",
@@ -518,7 +529,7 @@ def test_pipeline_accepts_yaml_quirks_and_non_private(tmp_path):
     assert pipeline.epsilon_list == [8.0, math.inf]
     assert pipeline.scheduler.type == "none"
     base = pipeline.base_train_config("dp-sgd", math.inf)
-    assert parse_config(base).epsilon == math.inf
+    assert parse_config(base).privacy.epsilon == math.inf
 
 
 def test_space_paths_fall_back_to_the_current_directory(tmp_path, monkeypatch):
@@ -562,7 +573,7 @@ BAD_PIPELINES = {
     "bad-name": (_set("name", "Quick Start"), "not a valid sweep name"),
     "epochs-string": (_set("epochs", "three"), "epochs: Input should be a valid integer"),
     "concurrency-float": (_set("concurrency", 1.5), "concurrency: Input should be a valid integer"),
-    "trials-bool": (_set("trials", True), "trials: Input should be a valid integer"),
+    "trials-bool": (_set("trials", True), "trials takes no boolean"),
     "trials-zero": (_set("trials", 0), "trials: Input should be greater than or equal to 1"),
     "concurrency-zero": (_set("concurrency", 0), "concurrency: Input should be greater"),
     "cpu-zero": (_set("resources.cpu", 0), "cpu must be > 0"),
@@ -717,7 +728,7 @@ def test_train_config_fields_used_by_pipelines_exist():
     from dpivon.search.pipeline import _PIPELINE_KEYS
     from dpivon.search.space import PIPELINE_OWNED_FIELDS
 
-    fields = set(TrainConfig.model_fields)
+    fields = set(FLAT_KEYS)  # the keys a flat config, a space or `train:` can name
     assert set(PIPELINE_OWNED_FIELDS) <= fields and set(_PIPELINE_KEYS) <= fields
 
 

@@ -224,13 +224,12 @@ OPTION_NAMES = tuple(
 )
 
 
-def optimizer_spec(name: str) -> OptimizerSpec:
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
+def optimizer_spec(name: Any) -> OptimizerSpec:
+    if not isinstance(name, str) or name not in OPTIMIZERS:
         raise ValueError(
             f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
-        ) from None
+        )
+    return OPTIMIZERS[name]
 
 
 def optimizer_options(values: Mapping[str, Any]) -> OptimizerOptions:

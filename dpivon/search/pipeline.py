@@ -154,7 +154,7 @@ class OptimizerEntry(_Strict):
     name: str
     space: str = Field(min_length=1)
     # fixed keys for this optimizer only
-    train: Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "sweep"))] = {}
+    train: Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "pipeline"))] = {}
 
     @field_validator("name")
     @classmethod
@@ -222,7 +222,8 @@ class RunFile(_Strict):
     """What every run file (a sweep pipeline, a benchmark pipeline) holds and checks the
     same way: the config sections its runs share, and where they are tracked and stored."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[str]  # what its name names: a sweep, a benchmark
+    noun: ClassVar[str]  # what the file is called in messages
 
     name: str
     data: DataConfig = DataConfig()
@@ -259,7 +260,14 @@ class RunFile(_Strict):
     @field_validator("train", mode="before")
     @classmethod
     def _check_train(cls, train: Any) -> Any:
-        return train_extras(train, cls.kind)
+        return train_extras(train, cls.noun)
+
+    @field_validator("data")
+    @classmethod
+    def _synthetic_size_for_synthetic(cls, data: DataConfig) -> DataConfig:
+        if data.dataset != "synthetic" and "synthetic_size" in data.model_fields_set:
+            raise ValueError("synthetic_size applies to dataset synthetic only; remove it")
+        return data
 
     def shared_train_config(self, seed: int) -> dict[str, Any]:
         """The TrainConfig keys (flat) every run of this file starts from: its data (the
@@ -295,6 +303,7 @@ class Pipeline(RunFile):
     """A validated sweep pipeline; build it with :func:`load_pipeline`."""
 
     kind: ClassVar[str] = "sweep"
+    noun: ClassVar[str] = "pipeline"
 
     epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)] | None = None
     # The budget of each group's release instead of each trial's: dpivon solves the per-trial

@@ -1,59 +1,56 @@
-"""Search spaces: which TrainConfig hyper-parameters a sweep samples, and from where.
+"""Search spaces: fixed TrainConfig values and Optuna distributions, sampled define-by-run.
 
 One YAML file per optimizer::
 
-    optimizer: dp-ivon-gradsq        # must be one of dpivon.config.OPTIMIZER_NAMES
-    params:                          # sampled and suggested in this order
+    optimizer: dp-ivon-gradsq        # one of dpivon.optim.registry.OPTIMIZER_NAMES
+    params:                          # suggested in this order
       lr:            {type: float, low: 0.5, high: 50.0, log: true}
-      hess_init:     {type: float, low: 0.01, high: 2.0, log: true}
       max_grad_norm: {type: float, low: 0.1, high: 10.0, step: 0.1}
       batch_size:    {type: int, low: 128, high: 1024, log: true}   # or step: 128
-      beta2:         {type: categorical, choices: [0.99, 0.999, 0.9999, 0.99999]}
-      mc_samples: 1                  # a bare value (scalar, list, string, null) is fixed
+      beta2:         {type: categorical, choices: [0.99, 0.999, 0.9999]}
+      mc_samples: 1                  # not a mapping: fixed, every trial gets it as is
       use_wd:        {type: categorical, choices: [true, false]}    # a switch, see below
-      weight_decay:  {type: float, low: 1.0e-6, high: 1.0e-2, log: true, when: {use_wd: true}}
+      weight_decay:  {type: float, low: 1e-6, high: 1e-2, log: true, when: {use_wd: true}}
 
-Parameter kinds (the same meaning as Optuna's ``suggest_*``):
+A mapping is the :mod:`optuna.distributions` object its constructor's arguments make:
+``float`` is ``FloatDistribution(low, high, log=false, step=null)``, ``int`` is
+``IntDistribution(low, high, log=false, step=1)``, ``categorical`` is
+``CategoricalDistribution(choices)``; Optuna checks log and step. On top: bounds are finite
+numbers of the declared type (``true`` is none; integers within 2**53, which Optuna samples
+as floats), ``low`` < ``high`` (for one value write the value), ``high - low`` a multiple of
+``step`` (Optuna would lower ``high`` silently), choices distinct scalars. ``inf`` in a fixed
+value or a choice is the float.
 
-- ``float``: ``low`` < ``high``, ``log`` (default false; needs ``low`` > 0), optional
-  ``step`` (a grid low, low + step, ...; ``step`` and ``log`` exclude each other).
-- ``int``: integer ``low`` < ``high``, ``log`` (default false; needs ``low`` >= 1),
-  ``step`` (default 1; ``log`` needs ``step`` 1).
-- ``categorical``: ``choices``, a non-empty list of distinct scalars (numbers, strings,
-  booleans, null).
-- a fixed value: anything that is not a mapping; every trial gets it as is.
+``when: {name: value}`` (or ``{name: [value, ...]}``) makes a parameter conditional: it is
+suggested only when the EARLIER categorical or int parameter ``name`` took that value (one
+of those values); several names must all match, and a parameter whose condition names an
+inactive one is inactive too. An inactive parameter is absent from the trial and keeps
+its default (the optimizer's: ``dpivon.optim.registry``).
 
-``when: {name: value}`` (or ``{name: [value, ...]}``) makes a sampled parameter
-conditional: it is suggested only when the EARLIER parameter ``name`` of the same space
-(declaration order) took that value (one of those values); several names must all match,
-and a parameter whose condition names an inactive parameter is inactive too. A condition
-may name a categorical or int parameter, and its values must be among that parameter's
-possible values. An inactive parameter is absent from the trial and keeps TrainConfig's
-default (for the optimizer's defaults: ``dpivon.config.OPTIMIZER_DEFAULTS``).
-
-Every parameter name must be a TrainConfig field, except *switches*: categorical helper
-parameters that some ``when`` names (``use_wd`` above). Switches steer conditions and are
-dropped from the trial's config. The pipeline owns the fields ``optimizer``, ``epsilon``,
-``delta``, ``accountant``, ``dataset``, ``data_path``, ``val_size``, ``per_class``,
-``synthetic_size``, ``model``, ``epochs``, ``seed``, ``device``, ``fail_at_epoch``; a space
-may not set them (a pipeline sets ``device``/``fail_at_epoch`` through its ``train`` block).
-
-YAML note: PyYAML reads ``1e-6`` (no dot) as a string; numeric strings in bounds, steps,
-choices, conditions and fixed values are converted to numbers (``inf`` too).
-
-Loading checks the whole file (unknown keys and types, bounds, conditions, names) and
-that every bound and choice is a valid TrainConfig value for the optimizer; each problem
-is a one-line :class:`~dpivon.errors.DpivonError` naming the file and the parameter.
+Every name is a training config key, flat (``lr``) or a path (``optimizer.lr``), see
+:func:`dpivon.config.config_key`, outside :data:`PIPELINE_OWNED_FIELDS` (a pipeline sets
+``device`` under ``train:``); or a *switch*: a categorical that some ``when`` names
+(``use_wd``), dropped from the trial's config. Loading checks the whole file and that every
+bound and choice is a valid TrainConfig value for the optimizer; each problem is one
+:class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-import re
+import reprlib
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any
 
+import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -61,361 +58,211 @@ from pydantic import (
     Field,
     StrictFloat,
     StrictInt,
-    TypeAdapter,
     ValidationError,
-    model_validator,
 )
 
-from dpivon.config import (
-    OPTIMIZER_NAMES,
-    TrainConfig,
-    format_validation_error,
-    read_yaml_mapping,
-)
+from dpivon.config import TrainConfig, config_key, format_validation_error, read_yaml_mapping
 from dpivon.errors import DpivonError
-
-if TYPE_CHECKING:
-    import optuna
-
-__all__ = [
-    "PIPELINE_OWNED_FIELDS",
-    "CategoricalParam",
-    "FloatParam",
-    "IntParam",
-    "SearchSpace",
-    "drop_union_tags",
-    "load_search_space",
-    "numeric",
-]
+from dpivon.optim.registry import OPTIMIZER_NAMES
 
 # TrainConfig fields a pipeline sets for every trial; search spaces may not sample or fix them.
 PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
-    "optimizer",
-    "epsilon",
-    "delta",
-    "accountant",
-    "dataset",
-    "data_path",
-    "model",
-    "epochs",
-    "seed",
-    "data_seed",
-    "secure_mode",
-    "device",
-    "fail_at_epoch",
-    "val_size",
-    "per_class",
+    *("optimizer", "epsilon", "delta", "accountant", "dataset", "data_path", "model"),
+    *("epochs", "seed", "data_seed", "secure_mode", "device", "val_size", "per_class"),
     "synthetic_size",
 )
 
-_INT = re.compile(r"[-+]?\d+")
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-_INF = re.compile(r"[-+]?\.?inf(inity)?", re.IGNORECASE)
 
-
-def numeric(value: Any) -> Any:
-    """A numeric string (``"1e-6"``, ``"128"``, ``"inf"``) as a number; anything else as is.
-
-    Lists are converted element-wise. PyYAML reads ``1e-6`` as a string (YAML 1.1 needs a
-    dot), so every number a user writes in a space or pipeline file passes through here.
-    """
+def _inf_as_float(value: Any) -> Any:
+    """``inf``, ``-inf``, ``infinity`` (YAML's own number is ``.inf``) as floats, in a list
+    too; anything else as is."""
     if isinstance(value, list):
-        return [numeric(v) for v in value]
-    if isinstance(value, str):
-        text = value.strip()
-        if _INT.fullmatch(text):
-            return int(text)
-        if _FLOAT.fullmatch(text):
-            return float(text)
-        if _INF.fullmatch(text):
-            return float(text.replace(".", ""))
+        return [_inf_as_float(v) if isinstance(v, str) else v for v in value]
+    if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("inf", "infinity"):
+        return float(value)
     return value
 
 
-Float = Annotated[StrictFloat, BeforeValidator(numeric)]
-Int = Annotated[StrictInt, BeforeValidator(numeric)]
+# Optuna samples integers through floats, which hold them exactly up to 2**53 only.
+_IntBound = Annotated[StrictInt, Field(ge=-(2**53), le=2**53)]
+_FloatBound = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+# Values in messages, cut short: a YAML alias can make a list of millions of items.
+_shown = reprlib.Repr()
+_shown.maxdict, _shown.maxlist, _shown.maxlevel = 32, 4, 2
 
 
 def _scalar(value: Any) -> Any:
-    value = numeric(value)
+    value = _inf_as_float(value)
     if value is not None and not isinstance(value, bool | int | float | str):
-        raise ValueError(f"must be a number, string, boolean or null, got {value!r}")
+        raise ValueError(f"must be a number, string, boolean or null, got {_shown.repr(value)}")
     return value
 
 
-Scalar = Annotated[Any, BeforeValidator(_scalar)]
-ConditionValues = Annotated[
-    list[Scalar], BeforeValidator(lambda v: v if isinstance(v, list) else [v])
-]
+_Choice = Annotated[Any, BeforeValidator(_scalar)]
+_Choices = Annotated[list[_Choice], BeforeValidator(lambda v: v if isinstance(v, list) else [v])]
 
 
-class _Param(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Spec(BaseModel):
+    """One mapping of the file; strict: no ``yes`` or ``"3"`` passes for a number."""
 
-    when: dict[str, ConditionValues] | None = None
-
-    def spec(self) -> dict[str, Any]:
-        """The parameter as plain data, ``when`` last (as it is usually written)."""
-        data = self.model_dump(exclude_none=True)
-        when = data.pop("when", None)
-        return data if when is None else {**data, "when": when}
+    model_config = ConfigDict(extra="forbid", strict=True)
+    when: dict[str, _Choices] = {}
 
 
-def _check_bounds(low: float, high: float, log: bool, step: float | None) -> None:
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError(f"low and high must be finite, got {low} and {high}")
-    if not low < high:
-        raise ValueError(
-            f"low must be below high, got low={low}, high={high} "
-            "(for a single value write the value itself instead of a range)"
-        )
-    if log and low <= 0:
-        raise ValueError(f"log: true needs low > 0, got low={low}")
-    if step is not None:
-        if step <= 0:
-            raise ValueError(f"step must be > 0, got {step}")
-        if log:
-            raise ValueError("step and log: true exclude each other; drop one")
-        n = (high - low) / step
-        if abs(n - round(n)) > 1e-9 * max(1.0, abs(n)):
-            raise ValueError(
-                f"high - low ({high - low:g}) must be a multiple of step ({step:g}); adjust high"
-            )
-
-
-class FloatParam(_Param):
-    type: Literal["float"]
-    low: Float
-    high: Float
+class _Float(_Spec):
+    low: _FloatBound
+    high: _FloatBound
     log: bool = False
-    step: Float | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> FloatParam:
-        _check_bounds(self.low, self.high, self.log, self.step)
-        return self
-
-    def suggest(self, trial: Any, name: str) -> float:
-        return trial.suggest_float(name, self.low, self.high, step=self.step, log=self.log)
-
-    def extremes(self) -> list[Any]:
-        return [self.low, self.high]
-
-    def contains(self, value: Any) -> bool:
-        return (
-            isinstance(value, int | float)
-            and not isinstance(value, bool)
-            and self.low <= value <= self.high
-        )
+    step: _FloatBound | None = None
+    distribution = property(lambda s: FloatDistribution(s.low, s.high, s.log, s.step))
 
 
-class IntParam(_Param):
-    type: Literal["int"]
-    low: Int
-    high: Int
+class _Int(_Spec):
+    low: _IntBound
+    high: _IntBound
     log: bool = False
-    step: Int = 1
-
-    @model_validator(mode="after")
-    def _check(self) -> IntParam:
-        if self.log and self.step != 1:
-            raise ValueError(f"log: true needs step 1 (as in Optuna), got step {self.step}")
-        _check_bounds(self.low, self.high, self.log, None if self.log else self.step)
-        return self
-
-    def suggest(self, trial: Any, name: str) -> int:
-        return trial.suggest_int(name, self.low, self.high, step=self.step, log=self.log)
-
-    def extremes(self) -> list[Any]:
-        return [self.low, self.high]
-
-    def values(self) -> list[Any]:
-        return list(range(self.low, self.high + 1, self.step))
-
-    def contains(self, value: Any) -> bool:
-        return (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and self.low <= value <= self.high
-            and (value - self.low) % self.step == 0
-        )
+    step: _IntBound = 1
+    distribution = property(lambda s: IntDistribution(s.low, s.high, s.log, s.step))
 
 
-class CategoricalParam(_Param):
-    type: Literal["categorical"]
-    choices: list[Scalar] = Field(min_length=1)
+class _Categorical(_Spec):
+    choices: list[_Choice] = Field(min_length=1)
+    distribution = property(lambda s: CategoricalDistribution(s.choices))
 
-    @model_validator(mode="after")
-    def _check(self) -> CategoricalParam:
-        keys = [_choice_key(c) for c in self.choices]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"choices must be distinct, got {self.choices}")
-        return self
 
-    def suggest(self, trial: Any, name: str) -> Any:
-        return trial.suggest_categorical(name, list(self.choices))
-
-    def extremes(self) -> list[Any]:
-        return list(self.choices)
-
-    def values(self) -> list[Any]:
-        return list(self.choices)
-
-    def contains(self, value: Any) -> bool:
-        return _choice_key(value) in {_choice_key(c) for c in self.choices}
+_SPECS: dict[str, type[_Spec]] = {"float": _Float, "int": _Int, "categorical": _Categorical}
 
 
 def _choice_key(value: Any) -> tuple[str, Any]:
-    """Distinguishes True from 1 and 1 from 1.0 only where YAML does (bool vs number)."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return (type(value).__name__, value)
-    return ("number", float(value))
+    """Tells True from 1 (YAML does), not 1 from 1.0 (equal numbers hash alike)."""
+    return (type(value).__name__ if isinstance(value, bool | str) else "number", value)
 
 
-SampledParam = FloatParam | IntParam | CategoricalParam
-_PARAM = TypeAdapter(Annotated[SampledParam, Field(discriminator="type")])
-_PARAM_TYPES = ("float", "int", "categorical")
+def _takes(dist: CategoricalDistribution | IntDistribution, value: Any) -> bool:
+    if isinstance(dist, CategoricalDistribution):
+        return _choice_key(value) in {_choice_key(c) for c in dist.choices}
+    grid = range(dist.low, dist.high + 1, dist.step)
+    return isinstance(value, int) and not isinstance(value, bool) and value in grid
 
 
-class _SpaceFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _extremes(param: Any) -> list[Any]:
+    """A parameter's first and last values: its bounds, choices, or fixed value."""
+    if isinstance(param, CategoricalDistribution):
+        return list(param.choices)
+    return [param.low, param.high] if isinstance(param, BaseDistribution) else [param]
 
-    optimizer: str
-    params: dict[str, Any] = Field(min_length=1)
 
-
+@dataclass(frozen=True)
 class SearchSpace:
     """A validated search space for one optimizer; build it with :func:`load_search_space`."""
 
-    def __init__(
-        self,
-        optimizer: str,
-        fixed: dict[str, Any],
-        sampled: dict[str, SampledParam],
-        order: list[str],
-        path: Path | None = None,
-    ) -> None:
-        self.optimizer = optimizer
-        self.path = path
-        self._fixed = dict(fixed)
-        self._sampled = dict(sampled)
-        self._order = list(order)
-        referenced = {n for p in self._sampled.values() for n in (p.when or {})}
-        fields = set(TrainConfig.model_fields)
-        self.switches: frozenset[str] = frozenset(
-            n for n in self._sampled if n not in fields and n in referenced
-        )
-
-    # -- inspection --------------------------------------------------------------------------
+    optimizer: str
+    params: dict[str, Any]  # name -> fixed value or distribution, in declaration order
+    conditions: dict[str, dict[str, list[Any]]]  # name -> its when (the names that have one)
+    keys: dict[str, str]  # name -> the TrainConfig key it sets; switches have none
+    path: Path | None = None
 
     @property
     def fixed(self) -> dict[str, Any]:
-        """The fixed (not sampled) values, in declaration order."""
-        return dict(self._fixed)
+        return {n: p for n, p in self.params.items() if not isinstance(p, BaseDistribution)}
 
     @property
-    def sampled(self) -> dict[str, SampledParam]:
-        """The sampled parameters (switches included), in declaration order."""
-        return dict(self._sampled)
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """The sampled parameters, switches included."""
+        return {n: p for n, p in self.params.items() if isinstance(p, BaseDistribution)}
+
+    @property
+    def switches(self) -> frozenset[str]:
+        return frozenset(self.params.keys() - self.keys.keys())
 
     @property
     def names(self) -> list[str]:
-        """All parameter names, fixed and sampled, in declaration order."""
-        return list(self._order)
+        """The TrainConfig keys the space sets, fixed or sampled."""
+        return list(self.keys.values())
 
-    def max_value(self, name: str) -> Any:
-        """The largest value ``name`` can take in a trial (``None`` if the space lacks it)."""
-        if name in self._fixed:
-            return self._fixed[name]
-        if name in self._sampled:
-            values = [v for v in self._sampled[name].extremes() if isinstance(v, int | float)]
-            return max(values) if values else None
-        return None
+    def _param(self, key: str) -> Any:
+        return next((self.params[n] for n, k in self.keys.items() if k == key), None)
 
-    def all_values(self, name: str) -> list[Any] | None:
-        """Every value a discrete ``name`` can take in a trial (``None`` if the space lacks it).
+    def max_value(self, key: str) -> Any:
+        """The largest value TrainConfig key ``key`` takes in a trial (None if not set)."""
+        numbers = [v for v in _extremes(self._param(key)) if type(v) in (int, float)]  # no bool
+        return max(numbers, default=None)
 
-        The tuning-privacy bound needs the whole set (not the values drawn): each batch size
-        is its own candidate mechanism. A continuous parameter has no such list: TypeError.
-        """
-        if name in self._fixed:
-            return [self._fixed[name]]
-        if name not in self._sampled:
-            return None
-        param = self._sampled[name]
-        if not hasattr(param, "values"):
-            raise TypeError(f"{name} is a continuous parameter; it has no finite set of values")
-        return param.values()
+    def all_values(self, key: str) -> list[Any] | None:
+        """Every value TrainConfig key ``key`` takes in a trial (None if not set): the
+        tuning-privacy bound needs each batch size. TypeError for a float range."""
+        param = self._param(key)
+        if isinstance(param, FloatDistribution):
+            raise TypeError(f"{key} is a continuous parameter; it has no finite set of values")
+        if isinstance(param, IntDistribution):
+            return list(range(param.low, param.high + 1, param.step))
+        return _extremes(param) if key in self.names else None
 
     def to_dict(self) -> dict[str, Any]:
         """The space as plain data (JSON/YAML-safe), for logging it with the sweep."""
         params: dict[str, Any] = {}
-        for name in self._order:
-            params[name] = self._fixed[name] if name in self._fixed else self._sampled[name].spec()
-        return {
-            "optimizer": self.optimizer,
-            "path": None if self.path is None else str(self.path),
-            "params": params,
-        }
+        for name, param in self.params.items():
+            if isinstance(param, CategoricalDistribution):
+                params[name] = {"type": "categorical", "choices": list(param.choices)}
+            elif isinstance(param, BaseDistribution):
+                kind = "int" if isinstance(param, IntDistribution) else "float"
+                bounds = {k: getattr(param, k) for k in ("low", "high", "log", "step")}
+                params[name] = {"type": kind, **bounds}
+            else:
+                params[name] = param
+            if name in self.conditions:
+                params[name]["when"] = self.conditions[name]
+        path = None if self.path is None else str(self.path)
+        return {"optimizer": self.optimizer, "path": path, "params": params}
 
-    # -- sampling ----------------------------------------------------------------------------
-
-    def _active(self, name: str, values: dict[str, Any]) -> bool:
-        when = self._sampled[name].when
-        if not when:
-            return True
-        for ref, allowed in when.items():
-            if ref not in values:  # the referenced parameter is itself inactive
-                return False
-            key = _choice_key(values[ref])
-            if key not in {_choice_key(a) for a in allowed}:
-                return False
-        return True
+    def _active_values(self, draw: Any) -> dict[str, Any]:
+        """Fixed values and ``draw(name, distribution)`` of each active sampled parameter."""
+        values: dict[str, Any] = {}
+        for name, param in self.params.items():
+            if not isinstance(param, BaseDistribution):
+                values[name] = param
+            elif all(
+                ref in values  # else the referenced parameter is itself inactive
+                and _choice_key(values[ref]) in {_choice_key(a) for a in allowed}
+                for ref, allowed in self.conditions.get(name, {}).items()
+            ):
+                values[name] = draw(name, param)
+        return values
 
     def define_by_run(self, trial: optuna.trial.Trial) -> dict[str, Any]:
-        """Suggest every active sampled parameter on ``trial``; return the fixed values.
+        """Suggest every active distribution on ``trial``; return the fixed values.
 
-        The define-by-run function for Ray's ``OptunaSearch(space=...)`` (which passes a
-        wrapper with the same ``suggest_*`` methods) or for a plain ``study.ask()`` trial.
-        Ray merges the returned constants with the suggested values into the trial config.
+        The define-by-run function for Ray's ``OptunaSearch(space=...)``, which records only
+        ``suggest_*`` calls (Ray merges the returned constants into the trial config), or
+        for a plain ``study.ask()`` trial.
         """
-        values: dict[str, Any] = {}
-        for name in self._order:
-            if name in self._fixed:
-                values[name] = self._fixed[name]
-            elif self._active(name, values):
-                values[name] = self._sampled[name].suggest(trial, name)
-        return dict(self._fixed)
+        self._active_values(lambda name, dist: _suggest(trial, name, dist))
+        return self.fixed
 
     def trial_config(self, sampled: dict[str, Any]) -> dict[str, Any]:
         """The TrainConfig keys of one trial: ``optimizer`` + fixed + active sampled values.
 
         ``sampled`` is what was drawn (Optuna's ``trial.params``, or Ray's trial config,
-        which also holds the fixed values). Switches are dropped; values of inactive
-        conditional parameters are ignored. Keys that are not parameters of this space and
-        missing active parameters are errors.
+        which also holds the fixed values). Switches are dropped, values of inactive
+        parameters ignored; unknown keys and missing active parameters are errors.
         """
-        unknown = [k for k in sampled if k not in self._fixed and k not in self._sampled]
+        where = f"the {self.optimizer} search space {self.path}; sample trials from this space"
+        unknown = [k for k in sampled if k not in self.params]
         if unknown:
-            raise DpivonError(
-                f"trial values {', '.join(map(repr, unknown))} are not parameters of the "
-                f"{self.optimizer} search space {self.path}; sample trials from this space"
-            )
-        values: dict[str, Any] = {}
-        for name in self._order:
-            if name in self._fixed:
-                values[name] = self._fixed[name]
-            elif self._active(name, values):
-                if name not in sampled:
-                    raise DpivonError(
-                        f"trial values lack {name!r} of the {self.optimizer} search space "
-                        f"{self.path}; sample trials from this space"
-                    )
-                values[name] = sampled[name]
-        config = {k: v for k, v in values.items() if k not in self.switches}
-        return {"optimizer": self.optimizer, **config}
+            listed = ", ".join(map(repr, unknown))
+            raise DpivonError(f"trial values {listed} are not parameters of {where}")
 
-    # -- validation ----------------------------------------------------------------------------
+        def drawn(name: str, _: BaseDistribution) -> Any:
+            if name not in sampled:
+                raise DpivonError(f"trial values lack {name!r} of {where}")
+            return sampled[name]
+
+        values = self._active_values(drawn)
+        return {"optimizer": self.optimizer} | {
+            self.keys[n]: v for n, v in values.items() if n in self.keys
+        }
 
     def bound_configs(self) -> list[tuple[str, dict[str, Any]]]:
         """(description, TrainConfig keys) pairs covering every bound and choice.
@@ -424,31 +271,27 @@ class SearchSpace:
         extreme (low / first choice) and at their last (high / last choice) together;
         conditions are ignored (every parameter counted as active), switches dropped.
         """
-        names = [n for n in self._order if n not in self.switches]
-        extremes = {
-            n: [self._fixed[n]] if n in self._fixed else self._sampled[n].extremes() for n in names
-        }
+        extremes = {key: _extremes(self.params[name]) for name, key in self.keys.items()}
         configs = [
-            (f"params.{n} = {v!r}", {"optimizer": self.optimizer, n: v})
-            for n in names
-            for v in extremes[n]
+            (f"params.{k} = {_shown.repr(v)}", {k: v}) for k, vs in extremes.items() for v in vs
         ]
         for label, index in (("low", 0), ("high", -1)):
-            combo = {n: extremes[n][index] for n in names}
-            configs.append(
-                (
-                    f"all parameters at their {label} values {combo}",
-                    {"optimizer": self.optimizer, **combo},
-                )
-            )
-        return configs
+            combo = {key: values[index] for key, values in extremes.items()}
+            configs.append((f"all parameters at their {label} values {_shown.repr(combo)}", combo))
+        return [(d, {"optimizer": self.optimizer, **c}) for d, c in configs]
+
+
+def _suggest(trial: optuna.trial.Trial, name: str, dist: BaseDistribution) -> Any:
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, dist.choices)
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
 
 
 def drop_union_tags(message: str, tags: tuple[str, ...]) -> str:
-    """Drop the tags pydantic puts into the locations of a discriminated union's errors.
-
-    ``message`` is :func:`~dpivon.config.format_validation_error`'s "loc: msg; loc: msg".
-    """
+    """Drop the tags pydantic puts into the locations of a discriminated union's errors
+    (for pipeline files); ``message`` is ``format_validation_error``'s "loc: msg; ..."."""
     parts = []
     for part in message.split("; "):
         loc, sep, text = part.partition(": ")
@@ -459,119 +302,123 @@ def drop_union_tags(message: str, tags: tuple[str, ...]) -> str:
     return "; ".join(parts)
 
 
+class _SpaceFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    optimizer: str
+    params: dict[str, Any] = Field(min_length=1)
+
+
 def load_search_space(path: str | Path) -> SearchSpace:
     """Read and validate a search-space YAML file (format: see the module docstring)."""
     path = Path(path)
-    data = read_yaml_mapping(path)
-    where = f"search space {path}"
+    where = f"invalid search space {path}"
     try:
-        raw = _SpaceFile.model_validate(data)
+        raw = _SpaceFile.model_validate(read_yaml_mapping(path))
     except ValidationError as err:
-        raise DpivonError(f"invalid {where}: {format_validation_error(err)}") from None
+        raise DpivonError(f"{where}: {format_validation_error(err)}") from None
     if raw.optimizer not in OPTIMIZER_NAMES:
         raise DpivonError(
-            f"invalid {where}: optimizer {raw.optimizer!r} is unknown; "
+            f"{where}: optimizer {raw.optimizer!r} is unknown; "
             f"choose one of: {', '.join(OPTIMIZER_NAMES)}"
         )
-
-    fixed: dict[str, Any] = {}
-    sampled: dict[str, SampledParam] = {}
-    order: list[str] = []
+    params: dict[str, Any] = {}
+    conditions: dict[str, dict[str, list[Any]]] = {}
     for name, value in raw.params.items():
-        name = str(name)
-        if isinstance(value, dict):
-            if "type" not in value:
-                raise DpivonError(
-                    f"invalid {where}: params.{name}: a mapping needs a type "
-                    f"({', '.join(_PARAM_TYPES)}); a fixed value must not be a mapping"
-                )
-            try:
-                param = _PARAM.validate_python(value)
-            except ValidationError as err:
-                message = drop_union_tags(format_validation_error(err), _PARAM_TYPES)
-                raise DpivonError(f"invalid {where}: params.{name}: {message}") from None
-            _check_condition(where, name, param, sampled, fixed, list(raw.params))
-            sampled[name] = param
-        else:
-            fixed[name] = numeric(value)
-        order.append(name)
-
-    _check_names(where, fixed, sampled)
-    space = SearchSpace(raw.optimizer, fixed, sampled, order, path=path)
+        if not isinstance(value, dict):
+            params[name] = _inf_as_float(value)
+            continue
+        params[name], when = _distribution(f"{where}: params.{name}", value)
+        for ref, allowed in when.items():
+            at = f"{where}: params.{name}.when.{ref}"
+            _check_condition(at, name, ref, allowed, params, raw.params)
+        if when:
+            conditions[name] = when
+    referenced = {ref for when in conditions.values() for ref in when}
+    keys = {}
+    for name, param in params.items():
+        prefix = f"{where}: params.{name}"
+        try:
+            keys[name] = config_key(name)
+        except ValueError as err:
+            if name not in referenced:
+                raise DpivonError(f"{prefix}: {err}, nor a switch that a when names") from None
+            if not isinstance(param, CategoricalDistribution):
+                raise DpivonError(f"{prefix}: {err}; a switch must be categorical") from None
+            continue
+        if keys[name] in PIPELINE_OWNED_FIELDS:
+            raise DpivonError(
+                f"{prefix}: {keys[name]} is set by the pipeline, not by a search space; remove "
+                "it here (a pipeline sets device under train:)"
+            )
+    space = SearchSpace(raw.optimizer, params, conditions, keys, path)
     for description, config in space.bound_configs():
         try:
             TrainConfig.model_validate(config)
         except ValidationError as err:
             raise DpivonError(
-                f"invalid {where}: {description} is not a valid {raw.optimizer} setting: "
+                f"{where}: {description} is not a valid {raw.optimizer} setting: "
                 f"{format_validation_error(err)}; change that bound or choice"
             ) from None
     return space
 
 
-def _check_condition(
-    where: str,
-    name: str,
-    param: SampledParam,
-    sampled: dict[str, SampledParam],
-    fixed: dict[str, Any],
-    all_names: list[str],
-) -> None:
-    for ref, allowed in (param.when or {}).items():
-        prefix = f"invalid {where}: params.{name}.when.{ref}"
-        if ref == name:
-            raise DpivonError(f"{prefix}: a parameter cannot depend on itself")
-        if ref in fixed:
-            raise DpivonError(
-                f"{prefix}: {ref!r} is a fixed value, so the condition is constant; "
-                "drop the when or make it categorical"
-            )
-        if ref not in sampled:
-            known = ref in all_names
-            raise DpivonError(
-                f"{prefix}: {ref!r} is "
-                + ("declared later" if known else "not a parameter of this space")
-                + f"; a when may only name a parameter declared above {name!r}"
-            )
-        target = sampled[ref]
-        if isinstance(target, FloatParam):
-            raise DpivonError(
-                f"{prefix}: {ref!r} is a float range, which never equals a given value; "
-                "condition on a categorical or int parameter"
-            )
-        if not allowed:
-            raise DpivonError(f"{prefix}: give at least one value")
-        never = [a for a in allowed if not target.contains(a)]
-        if never:
-            raise DpivonError(
-                f"{prefix}: {ref!r} never takes {', '.join(map(repr, never))}; use values "
-                f"it can take"
-            )
-
-
-def _check_names(where: str, fixed: dict[str, Any], sampled: dict[str, SampledParam]) -> None:
-    fields = set(TrainConfig.model_fields)
-    referenced = {n for p in sampled.values() for n in (p.when or {})}
-    for name in [*fixed, *sampled]:
-        prefix = f"invalid {where}: params.{name}"
-        if name in PIPELINE_OWNED_FIELDS:
-            raise DpivonError(
-                f"{prefix}: {name} is set by the pipeline, not by a search space; remove it "
-                "here (a pipeline sets device/fail_at_epoch under train:)"
-            )
-        if name in fields:
-            continue
-        if name in referenced and isinstance(sampled.get(name), CategoricalParam):
-            continue  # a switch
-        if name in referenced:
-            raise DpivonError(
-                f"{prefix}: {name!r} is not a TrainConfig field, so it can only be a switch, "
-                "and a switch must be categorical"
-            )
-        settable = sorted(fields - set(PIPELINE_OWNED_FIELDS))
-        close = difflib.get_close_matches(name, settable, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"fields: {', '.join(settable)}"
+def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution, dict]:
+    """The distribution one mapping of the file describes, and its ``when``."""
+    kind = value.get("type")
+    spec_type = _SPECS.get(kind) if isinstance(kind, str) else None
+    if spec_type is None:
+        got = "a mapping needs a type"
+        if "type" in value:
+            got = f"type {_shown.repr(kind)} is unknown"
+        kinds = ", ".join(_SPECS)
+        raise DpivonError(f"{prefix}: {got} ({kinds}); a fixed value must not be a mapping")
+    try:
+        spec = spec_type.model_validate({k: v for k, v in value.items() if k != "type"})
+    except ValidationError as err:
+        raise DpivonError(f"{prefix}: {format_validation_error(err)}") from None
+    if isinstance(spec, _Categorical):
+        if len({_choice_key(c) for c in spec.choices}) != len(spec.choices):
+            got = _shown.repr(spec.choices)
+            raise DpivonError(f"{prefix}: choices must be distinct, got {got}")
+    elif not spec.low < spec.high:
+        got = f"low={spec.low}, high={spec.high}"
+        raise DpivonError(f"{prefix}: low must be below high, got {got} (or write one value)")
+    elif not math.isfinite(spec.high - spec.low):
+        raise DpivonError(f"{prefix}: high - low overflows a float; narrow the range")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # that Optuna lowers high: an error below
+            dist = spec.distribution
+    except ValueError as err:
+        raise DpivonError(f"{prefix}: {err}") from None
+    except ArithmeticError:  # Optuna's Decimal arithmetic runs out of digits
+        raise DpivonError(f"{prefix}: step {spec.step} is too fine for the range") from None
+    if not isinstance(dist, CategoricalDistribution) and dist.high != spec.high:
         raise DpivonError(
-            f"{prefix}: {name!r} is not a TrainConfig field (nor a categorical switch named "
-            f"by a when); {hint}"
+            f"{prefix}: high - low ({spec.high - spec.low:g}) must be a multiple of step "
+            f"({spec.step:g}); adjust high"
         )
+    return dist, spec.when
+
+
+def _check_condition(
+    prefix: str, name: str, ref: str, allowed: list[Any], params: dict, names: dict
+) -> None:
+    """``params`` holds the parameters declared before ``name``, ``names`` all of them."""
+    target = params.get(ref)
+    if ref == name:
+        problem = "a parameter cannot depend on itself"
+    elif ref not in params:
+        later = "declared later" if ref in names else "not a parameter of this space"
+        problem = f"{ref!r} is {later}; a when may only name a parameter declared above {name!r}"
+    elif not isinstance(target, BaseDistribution):
+        problem = f"{ref!r} is a fixed value, so the condition is constant; drop the when"
+    elif isinstance(target, FloatDistribution):
+        problem = f"{ref!r} is a float range, which never equals a value; use a categorical"
+    elif not allowed:
+        problem = "give at least one value"
+    elif never := [a for a in allowed if not _takes(target, a)]:
+        problem = f"{ref!r} never takes {_shown.repr(never)[1:-1]}; use values it can take"
+    else:
+        return
+    raise DpivonError(f"{prefix}: {problem}")

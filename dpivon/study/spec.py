@@ -130,6 +130,7 @@ class BenchmarkPipeline(RunFile):
     """A validated benchmark pipeline; build it with :func:`load_benchmark`."""
 
     kind: ClassVar[str] = "benchmark"
+    noun: ClassVar[str] = "benchmark"
 
     epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
     seeds: Annotated[list[Int], BeforeValidator(_as_list)]
