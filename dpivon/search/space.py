@@ -73,16 +73,6 @@ PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
 )
 
 
-def _inf_as_float(value: Any) -> Any:
-    """``inf``, ``-inf``, ``infinity`` (YAML's own number is ``.inf``) as floats, in a list
-    too; anything else as is."""
-    if isinstance(value, list):
-        return [_inf_as_float(v) if isinstance(v, str) else v for v in value]
-    if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("inf", "infinity"):
-        return float(value)
-    return value
-
-
 # Optuna samples integers through floats, which hold them exactly up to 2**53 only.
 _IntBound = Annotated[StrictInt, Field(ge=-(2**53), le=2**53)]
 _FloatBound = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -94,7 +84,6 @@ _shown.maxdict, _shown.maxlist, _shown.maxlevel = 32, 4, 2
 
 
 def _scalar(value: Any) -> Any:
-    value = _inf_as_float(value)
     if value is not None and not isinstance(value, bool | int | float | str):
         raise ValueError(f"must be a number, string, boolean or null, got {_shown.repr(value)}")
     return value
@@ -325,7 +314,7 @@ def load_search_space(path: str | Path) -> SearchSpace:
     conditions: dict[str, dict[str, list[Any]]] = {}
     for name, value in raw.params.items():
         if not isinstance(value, dict):
-            params[name] = _inf_as_float(value)
+            params[name] = value
             continue
         params[name], when = _distribution(f"{where}: params.{name}", value)
         for ref, allowed in when.items():
