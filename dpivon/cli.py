@@ -393,7 +393,7 @@ def benchmark(
 @user_errors
 def pareto(
     sweep_ref: Opt[
-        str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")
+        str, typer.Argument(metavar="SWEEP", help="sweep folder or URI, pipeline file or name")
     ],
     out: Opt[
         Path | None, typer.Option(help="plot path (.png; an .html is written beside it)")
@@ -420,7 +420,7 @@ def pareto(
         if c in front
     ]
     print_front_table(front, state.objectives, extra)
-    out = out or directory / "pareto.png"
+    out = out or Path(f"{state.name}-pareto.png")
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
     plot_fronts_html(
         trials, state.objectives, out.with_suffix(".html"), f"{state.name}: Pareto fronts"
@@ -432,7 +432,7 @@ def pareto(
 @user_errors
 def export(
     sweep_ref: Opt[
-        str, typer.Argument(metavar="SWEEP", help="sweep folder, pipeline file or name")
+        str, typer.Argument(metavar="SWEEP", help="sweep folder or URI, pipeline file or name")
     ],
     out: Opt[Path, typer.Option(help="YAML file for `dpivon train --config`")],
     pick: Opt[str, typer.Option(help="knee, max-accuracy, min-ece or pareto")] = "knee",

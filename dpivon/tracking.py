@@ -68,7 +68,7 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
         reason = getattr(err, "reason", err)
         raise DpivonError(
             f"cannot reach the MLflow tracking server at {redact_uri(uri)} ({reason}); start it "
-            "(mlflow server ...) or pass --tracking-uri sqlite:///mlflow.db"
+            "(mlflow server ...) or track to a local store (--tracking-uri sqlite:///mlflow.db)"
         ) from None
 
 
@@ -118,20 +118,38 @@ class Tracker:
 
     @contextmanager
     def run(
-        self, run_name: str, *, parent_run_id: str | None = None, tags: Mapping[str, str] = ()
+        self,
+        run_name: str,
+        *,
+        parent_run_id: str | None = None,
+        tags: Mapping[str, str] = (),
+        run_id: str | None = None,
     ) -> Iterator[str]:
-        """A run that ends FINISHED, or FAILED (KILLED on Ctrl-C): never left RUNNING."""
-        run_id = self.start_run(run_name, parent_run_id=parent_run_id, tags=tags)
+        """A run that ends FINISHED, or FAILED (KILLED on Ctrl-C): never left RUNNING.
+        With ``run_id``, that existing run (a resumed sweep's parent) runs again."""
+        if run_id is None:
+            run_id = self.start_run(run_name, parent_run_id=parent_run_id, tags=tags)
+        else:
+            self.client.update_run(run_id, status="RUNNING")
         try:
             yield run_id
         except KeyboardInterrupt:
             self.end_run(run_id, "KILLED")
             raise
         except BaseException as err:
-            self.set_tags(run_id, {"error": f"{type(err).__name__}: {err}"[:5000]})
-            self.end_run(run_id, "FAILED")
+            if self.reachable():  # a store that is down would stall each write for minutes
+                self.set_tags(run_id, {"error": f"{type(err).__name__}: {err}"[:5000]})
+                self.end_run(run_id, "FAILED")
             raise
         self.end_run(run_id, "FINISHED")
+
+    def reachable(self) -> bool:
+        """False when an HTTP tracking server does not answer its health check."""
+        try:
+            check_tracking_server(self.tracking_uri)
+        except DpivonError:
+            return False
+        return True
 
     def end_run(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status=status)

@@ -37,7 +37,13 @@ from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
 
 
 class TrainingDiverged(DpivonError):
-    """The loss became NaN or infinite."""
+    """The loss became NaN or infinite. ``privacy`` holds the mechanism of the planned run
+    (noise_multiplier, sample_rate, steps: all of it, the conservative count) for private
+    runs: a diverged trial spent budget too, and the tuning cost must count it."""
+
+    def __init__(self, message: str, privacy: dict[str, float] | None = None):
+        super().__init__(message)
+        self.privacy = privacy or {}
 
 
 @dataclass(frozen=True)
@@ -387,9 +393,17 @@ def train(
         for x, y in setup.loader:
             loss = train_step(setup, x.to(device), y.to(device), config.optimizer.samples_per_step)
             if len(y) and not math.isfinite(loss):
+                plan = setup.private.plan if setup.private is not None else None
                 raise TrainingDiverged(
                     f"training diverged at epoch {epoch}: loss is {loss}; lower the "
-                    f"learning rate (lr={config.optimizer.lr})"
+                    f"learning rate (lr={config.optimizer.lr})",
+                    privacy={
+                        "noise_multiplier": plan.noise_multiplier,
+                        "sample_rate": plan.sample_rate,
+                        "steps": plan.steps,
+                    }
+                    if plan is not None
+                    else None,
                 )
             losses.append(loss)
             step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))

@@ -50,6 +50,7 @@ EXTERNAL_VARIABLES = {
     "AWS_ACCESS_KEY_ID": "boto3",
     "AWS_SECRET_ACCESS_KEY": "boto3",
     "AWS_DEFAULT_REGION": "boto3",
+    "AWS_ENDPOINT_URL": "pyarrow's S3 filesystem (the AWS SDK) and boto3",
     "PATH": "the shell",
     "VIRTUAL_ENV": "uv",
     "PYTHONUNBUFFERED": "CPython",
@@ -713,6 +714,17 @@ def test_mlflow_server_configuration() -> None:
     entry = _module(DOCKER / "mlflow_entrypoint.py")
     assert entry.artifact_bucket(args) == artifacts.removeprefix("s3://").split("/")[0]
     assert entry.artifact_bucket(["--artifacts-destination", "/mnt/artifacts"]) is None
+
+
+def test_ray_nodes_reach_the_s3_service() -> None:
+    """A sweep may keep its state and checkpoints in MinIO (storage_path s3://..., as
+    tests/test_topology.py runs it): every Ray node has its endpoint and credentials."""
+    minio = compose_variables()["minio"]
+    for name in ("ray-head", "ray-worker", "ray-worker-gpu"):
+        env = compose_variables()[name]
+        assert env.get("AWS_ENDPOINT_URL") == "http://minio:9000", f"{name}: S3 endpoint"
+        assert env.get("AWS_ACCESS_KEY_ID") == minio["MINIO_ROOT_USER"], name
+        assert env.get("AWS_SECRET_ACCESS_KEY") == minio["MINIO_ROOT_PASSWORD"], name
 
 
 def test_environment_variables_are_read() -> None:

@@ -1,29 +1,37 @@
 """Driver-side Ray Tune callbacks: MLflow child runs and live progress.
 
 Both run in the driver process only, so the MLflow store sees a single writer (SQLite
-does not tolerate concurrent ones). They are pickled with the Tune experiment for
-`--resume`, hence the lazily created MLflow client.
+does not tolerate concurrent ones), and a store that is down for a while holds nothing
+up: the logger keeps the trials' results and writes them when it answers. They are
+pickled with the Tune experiment for `--resume`, hence the lazily created MLflow client.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from mlflow.exceptions import MlflowException
 from ray import tune
 from rich.console import Console
 
+from dpivon.errors import DpivonError
+from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
 from dpivon.search.space import SearchSpace
-from dpivon.search.trial import COMPLETE, trial_train_config
-from dpivon.tracking import REDACTED, Tracker, redact_uri
+from dpivon.search.storage import SweepStorage
+from dpivon.search.trial import COMPLETE, DIVERGED, DIVERGED_ERROR, trial_train_config
+from dpivon.tracking import REDACTED, Tracker, check_tracking_server, redact_uri
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.
 TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
-TRIAL_TAG = "dpivon.trial_id"
-STATUS_TAG = "dpivon.trial_status"
-CHECKPOINT_TAG = "dpivon.checkpoint"
+# How long the end of a group waits for an unreachable MLflow store, and the retry period.
+WAIT_ENV = "DPIVON_TRACKING_WAIT_S"
+DEFAULT_WAIT_S = 300.0
+RETRY_S = 5.0
+console = Console(stderr=True)
 # Tune bookkeeping that is not worth a metric in MLflow.
 _SKIPPED = {
     "done",
@@ -43,11 +51,24 @@ _SKIPPED = {
     "config",
     "should_checkpoint",
     "epoch",
+    DIVERGED_ERROR,
 }
 
 
+class TrackingUnavailable(DpivonError):
+    """The MLflow store stayed unreachable past the wait; the unwritten trial results are
+    kept in the Tune experiment's state, and ``dpivon sweep --resume`` writes them."""
+
+
 class MlflowTrialLogger(tune.Callback):
-    """One child run per trial under the sweep's parent run; reused across resumes."""
+    """One child run per trial under the sweep's parent run; reused across resumes.
+
+    Every write is queued first and the queue is written in order, so an MLflow store that
+    is down for a while loses nothing: the results wait here (and in Tune's saved callback
+    state, see :meth:`get_state`) and go out when it answers again. At the end of the
+    group the logger waits up to ``$DPIVON_TRACKING_WAIT_S`` seconds (default 300) for
+    the store, then stops the sweep with :class:`TrackingUnavailable`.
+    """
 
     def __init__(
         self,
@@ -57,6 +78,7 @@ class MlflowTrialLogger(tune.Callback):
         base_config: dict[str, Any],
         space: SearchSpace,
         tags: dict[str, str],
+        storage: SweepStorage,
     ):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -64,43 +86,130 @@ class MlflowTrialLogger(tune.Callback):
         self.base_config = base_config
         self.space = space
         self.tags = tags
+        self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
+        self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
+        self._retry_at = 0.0
+        self._down_since: float | None = None
 
     def __getstate__(self) -> dict:
-        # Tune writes this to the sweep's storage: no password in it.
+        # Tune writes this to the sweep's storage: no password in it. The queue travels in
+        # get_state() instead (saved at every experiment checkpoint, not only at the start).
         uri = redact_uri(self.tracking_uri)
-        return {**self.__dict__, "tracking_uri": uri, "_tracker": None, "run_ids": {}}
+        return {
+            **self.__dict__,
+            "tracking_uri": uri,
+            "_tracker": None,
+            "run_ids": {},
+            "pending": [],
+            "_retry_at": 0.0,
+            "_down_since": None,
+        }
+
+    def get_state(self) -> dict:
+        # Always a non-empty dict: Tune skips saving when every callback returns a falsy
+        # state, which would leave an older, longer queue on disk to be replayed.
+        return {"pending": list(self.pending)}
+
+    def set_state(self, state: dict) -> None:
+        self.pending = list(state.get("pending", []))
+
+    def _real_uri(self) -> str:
+        if f":{REDACTED}@" in self.tracking_uri:
+            return os.environ.get(TRACKING_URI_ENV, self.tracking_uri)
+        return self.tracking_uri
 
     @property
     def tracker(self) -> Tracker:
         if self._tracker is None:
-            uri = self.tracking_uri
-            if f":{REDACTED}@" in uri:
-                uri = os.environ.get(TRACKING_URI_ENV, uri)
-            self._tracker = Tracker(uri, self.experiment)
+            self._tracker = Tracker(self._real_uri(), self.experiment)
             # After a resume the trial -> run mapping comes from MLflow itself, so a trial
             # that runs again reuses its run instead of getting a duplicate.
             self.run_ids = child_runs_by_trial(self._tracker, self.parent_run_id)
         return self._tracker
 
-    def run_id(self, trial) -> str:
-        tracker = self.tracker
-        run_id = self.run_ids.get(trial.trial_id)
-        if run_id is None:
-            config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
-            run_id = tracker.start_run(
-                f"{config.optimizer}-eps{config.epsilon:g}-{trial.trial_id}",
-                parent_run_id=self.parent_run_id,
-                tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: "running"},
-            )
-            tracker.log_params(run_id, config.model_dump(mode="json"))
-            self.run_ids[trial.trial_id] = run_id
-        return run_id
+    # --- the queue ----------------------------------------------------------------------
+
+    def _queue(self, trial, op: str, **payload: Any) -> None:
+        self.pending.append({"trial": trial.trial_id, "op": op, **payload})
+        self._flush()
+
+    def _apply(self, write: dict[str, Any]) -> None:
+        tracker, trial_id = self.tracker, write["trial"]
+        if write["op"] == "start":
+            run_id = self.run_ids.get(trial_id)
+            if run_id is None:
+                run_id = tracker.start_run(
+                    write["name"], parent_run_id=self.parent_run_id, tags=write["tags"]
+                )
+                tracker.log_params(run_id, write["params"])
+                self.run_ids[trial_id] = run_id
+            else:
+                tracker.client.update_run(run_id, status="RUNNING")  # a resumed trial
+            return
+        run_id = self.run_ids[trial_id]  # its "start" write went out before this one
+        if write["op"] == "metrics":
+            tracker.log_metrics(run_id, write["metrics"], step=write["step"])
+        elif write["op"] == "tags":
+            tracker.set_tags(run_id, write["tags"])
+        elif write["op"] == "end":
+            tracker.set_tags(run_id, write["tags"])
+            tracker.end_run(run_id, write["status"])
+
+    def _write_pending(self) -> None:
+        # A cheap /health probe first: against a server that is down, MLflow's own
+        # retries would block the Tune loop for minutes on every write.
+        check_tracking_server(self._real_uri(), timeout_s=2.0)
+        while self.pending:
+            self._apply(self.pending[0])
+            self.pending.pop(0)
+
+    def _flush(self, wait_s: float = 0.0) -> None:
+        """Write the queue; on a store that is down retry every few seconds, for at most
+        ``wait_s`` now (0: one attempt, the next event or Tune step tries again)."""
+        deadline = time.monotonic() + wait_s
+        while self.pending:
+            now = time.monotonic()
+            if now >= self._retry_at:
+                try:
+                    self._write_pending()
+                except (DpivonError, MlflowException, OSError) as err:
+                    if isinstance(err, MlflowException) and not _transient(err):
+                        raise
+                    self._retry_at = now + RETRY_S
+                    if self._down_since is None:
+                        self._down_since = now
+                        console.print(
+                            "[yellow]MLflow is unreachable: trial results are kept and "
+                            f"written when it answers (retrying every {RETRY_S:g} s)[/]: "
+                            f"{_first_line(err)}",
+                            highlight=False,
+                        )
+                    continue
+                if self._down_since is not None:
+                    console.print(
+                        f"MLflow answers again after {now - self._down_since:.0f} s; "
+                        "the kept trial results are written",
+                        highlight=False,
+                    )
+                    self._down_since = None
+                return
+            if now >= deadline:
+                return
+            time.sleep(min(self._retry_at, deadline) - now)
+
+    # --- Tune's events ------------------------------------------------------------------
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        run_id = self.run_id(trial)
-        self.tracker.client.update_run(run_id, status="RUNNING")  # a resumed trial runs again
+        config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
+        self._queue(
+            trial,
+            "start",
+            name=f"{config.optimizer.name}-eps{config.privacy.epsilon:g}-{trial.trial_id}",
+            tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: TrialStatus.RUNNING},
+            params=config.flat(),
+        )
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         metrics = {
@@ -108,23 +217,47 @@ class MlflowTrialLogger(tune.Callback):
             for k, v in result.items()
             if k not in _SKIPPED and isinstance(v, int | float) and not isinstance(v, bool)
         }
-        self.tracker.log_metrics(self.run_id(trial), metrics, step=int(result.get("epoch", 0)))
+        self._queue(trial, "metrics", metrics=metrics, step=int(result.get("epoch", 0)))
         if "node_id" in result:
-            self.tracker.set_tags(self.run_id(trial), {"ray.node_id": result["node_id"]})
+            self._queue(trial, "tags", tags={"ray.node_id": result["node_id"]})
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        complete = bool((trial.last_result or {}).get(COMPLETE))
-        run_id = self.run_id(trial)
-        tags = {STATUS_TAG: "completed" if complete else "early_stopped"}
+        result = trial.last_result or {}
+        if result.get(DIVERGED):
+            tags = {STATUS_TAG: TrialStatus.DIVERGED, "error": str(result.get(DIVERGED_ERROR))}
+            self._queue(trial, "end", tags=tags, status="FAILED")
+            return
+        done = TrialStatus.COMPLETED if result.get(COMPLETE) else TrialStatus.EARLY_STOPPED
+        tags = {STATUS_TAG: done}
         if trial.checkpoint is not None:
-            tags[CHECKPOINT_TAG] = trial.checkpoint.path
-        self.tracker.set_tags(run_id, tags)
-        self.tracker.end_run(run_id, "FINISHED")
+            tags[CHECKPOINT_TAG] = self.storage.uri_of(trial.checkpoint.path)
+        self._queue(trial, "end", tags=tags, status="FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        run_id = self.run_id(trial)
-        self.tracker.set_tags(run_id, {STATUS_TAG: "failed", "error": trial_error(trial)})
-        self.tracker.end_run(run_id, "FAILED")
+        tags = {STATUS_TAG: TrialStatus.FAILED, "error": trial_error(trial)}
+        self._queue(trial, "end", tags=tags, status="FAILED")
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        self._flush()  # drains the queue once the store is back, between events too
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self._flush(wait_s=float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
+        if self.pending:
+            raise TrackingUnavailable(
+                f"MLflow at {redact_uri(self._real_uri())} stayed unreachable; "
+                f"{len(self.pending)} trial results are kept in the sweep's Tune state: "
+                "start the server, then run `dpivon sweep PIPELINE --resume` to write them"
+            )
+
+
+def _transient(err: MlflowException) -> bool:
+    """A store that is down or overloaded (connection refused, 5xx), not a bad request."""
+    return err.get_http_status_code() >= 500
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
 
 
 def trial_error(trial) -> str:
@@ -161,9 +294,10 @@ class SweepProgress(tune.Callback):
     def _line(self, trial, what: str, trials) -> None:
         running = sum(1 for t in trials if t.status == "RUNNING")
         value = (trial.last_result or {}).get(self.objective)
-        shown = f"{self.objective}={value:.4f}" if isinstance(value, float) else ""
+        finite = isinstance(value, float) and math.isfinite(value)  # NaN after a divergence
+        shown = f"{self.objective}={value:.4f}" if finite else ""
         best = f"best {self.objective}={self.best:.4f}" if math.isfinite(self.best) else ""
-        Console(stderr=True).print(
+        console.print(
             f"[bold]{self.group}[/] trial {trial.trial_id} {what} {shown} | "
             f"{self.done}/{self.total} done, {running} running, {self.failed} failed, "
             f"{self.stopped} stopped early | {best}",
@@ -172,7 +306,11 @@ class SweepProgress(tune.Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         result = trial.last_result or {}
-        if result.get(COMPLETE):
+        if result.get(DIVERGED):
+            self.failed += 1
+            self.done += 1
+            self._line(trial, f"[red]diverged[/] ({result.get(DIVERGED_ERROR)})", trials)
+        elif result.get(COMPLETE):
             self.done += 1
             value = result.get(self.objective)
             if isinstance(value, float) and math.isfinite(value):
@@ -182,6 +320,11 @@ class SweepProgress(tune.Callback):
             self.stopped += 1
             self.done += 1
             self._line(trial, "stopped early (ASHA)", trials)
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        # a failed attempt (a lost node, a crash) that Tune retries (FailureConfig)
+        self._line(trial, f"[yellow]retried[/] from its last checkpoint ({trial_error(trial)})",
+                   trials)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.failed += 1

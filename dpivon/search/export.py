@@ -1,4 +1,8 @@
-"""Find a finished sweep on disk and turn its Pareto-optimal trials into production configs.
+"""Find a finished sweep and turn its Pareto-optimal trials into production configs.
+
+The sweep is read wherever it is stored (a local folder, ``s3://``, ``gs://``: see
+:mod:`dpivon.search.storage`); trial checkpoints on remote storage are downloaded to a
+temporary folder to be read.
 
 An exported config is the trial's complete TrainConfig (read from the trial's own model
 checkpoint, not re-assembled from strings), with the production epochs and, by default, the
@@ -13,6 +17,7 @@ reproducible from a logged seed.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -25,55 +30,64 @@ from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE, sweep_directory
+from dpivon.search.storage import SweepStorage, local_copy
+from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
 
-DEFAULT_STORAGE = Path("dpivon-runs")
+DEFAULT_STORAGE = "dpivon-runs"
 
 
-def resolve_sweep(sweep: str) -> Path:
-    """A sweep folder, a pipeline file, or a sweep name under ./dpivon-runs."""
-    path = Path(sweep)
-    if path.is_dir() and (path / STATE_FILE).exists():
-        return path
-    if path.is_file() and path.suffix in (".yaml", ".yml"):
-        return sweep_directory(load_pipeline(path))
-    if (DEFAULT_STORAGE / sweep / STATE_FILE).exists():
-        return DEFAULT_STORAGE / sweep
+def resolve_sweep(sweep: str) -> SweepStorage:
+    """A sweep folder or URI (holding the state file), a pipeline file, or a sweep name
+    under ./dpivon-runs."""
+    if "://" in sweep or Path(sweep).is_dir():
+        found = SweepStorage.at(sweep)
+    elif Path(sweep).is_file() and Path(sweep).suffix in (".yaml", ".yml"):
+        pipeline = load_pipeline(sweep)
+        found = SweepStorage(pipeline.storage_path, pipeline.name)
+    else:
+        found = SweepStorage(DEFAULT_STORAGE, sweep)
+    if found.exists(STATE_FILE):
+        return found
     raise DpivonError(
-        f"no sweep found for {sweep!r}: pass a sweep folder (holding {STATE_FILE}), the "
-        f"pipeline file, or the name of a sweep under {DEFAULT_STORAGE}/"
+        f"no sweep found for {sweep!r} (no {found.uri}/{STATE_FILE}): pass a sweep folder or "
+        f"URI (holding {STATE_FILE}), the pipeline file, or the name of a sweep under "
+        f"{DEFAULT_STORAGE}/"
     )
 
 
-def load_results(directory: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_results(storage: SweepStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(trials, front) tables of a finished sweep."""
-    if not (directory / FRONT_FILE).exists():
+    if not storage.exists(FRONT_FILE):
         raise DpivonError(
-            f"sweep in {directory} has no results yet (no {FRONT_FILE}); it is still running "
-            "or was interrupted: finish it with `dpivon sweep PIPELINE --resume`"
+            f"sweep in {storage.uri} has no results yet (no {FRONT_FILE}); it is still "
+            "running or was interrupted: finish it with `dpivon sweep PIPELINE --resume`"
         )
-    return pd.read_csv(directory / TRIALS_FILE), pd.read_csv(directory / FRONT_FILE)
+    trials, front = (
+        pd.read_csv(io.BytesIO(storage.read_bytes(name))) for name in (TRIALS_FILE, FRONT_FILE)
+    )
+    return trials, front
 
 
 def trial_config(row: pd.Series) -> TrainConfig:
-    state = torch.load(Path(row["checkpoint"]) / MODEL_FILE, map_location="cpu", weights_only=True)
+    """The complete config a trial trained with, from its final checkpoint (path or URI)."""
+    with local_copy(row["checkpoint"]) as checkpoint:
+        state = torch.load(checkpoint / MODEL_FILE, map_location="cpu", weights_only=True)
     return TrainConfig.model_validate(state["config"])
 
 
-def tuning_cost(directory: Path, group: str) -> TuningCost | None:
+def tuning_cost(storage: SweepStorage, group: str) -> TuningCost | None:
     """The tuning cost of ``group`` from the sweep's report (None for non-private groups)."""
-    path = directory / TUNING_FILE
-    if not path.exists():
+    if not storage.exists(TUNING_FILE):
         raise DpivonError(
-            f"sweep in {directory} has no {TUNING_FILE}; finish it with `dpivon sweep "
+            f"sweep in {storage.uri} has no {TUNING_FILE}; finish it with `dpivon sweep "
             "PIPELINE --resume` (its tuning cost is part of every exported config)"
         )
-    report = json.loads(path.read_text()).get(group)
+    report = json.loads(storage.read_text(TUNING_FILE)).get(group)
     if report is None:
         return None
     return TuningCost(
-        sweep=directory.name,
+        sweep=storage.name,
         group=group,
         quoted_epsilon=report["quoted_epsilon"],
         quote=report["quote"],
@@ -91,16 +105,16 @@ def production_config(
     tuning: TuningCost | None = None,
     secure_mode: bool = True,
 ) -> TrainConfig:
-    update: dict[str, Any] = {"fail_at_epoch": None, "tuning": tuning, "secure_mode": secure_mode}
+    update: dict[str, Any] = {"tuning": tuning, "secure_mode": secure_mode}
     if epochs is not None:
         update["epochs"] = epochs
-    if full_data and config.dataset == "cifar10":
+    if full_data and config.data.dataset == "cifar10":
         update.update(per_class=None, val_size=5000)
-    return TrainConfig.model_validate({**config.model_dump(), **update})
+    return config.replace(**update)
 
 
 def export_configs(
-    directory: Path,
+    storage: SweepStorage,
     objectives: list[tuple[str, str]],
     how: str,
     *,
@@ -111,7 +125,7 @@ def export_configs(
     secure_mode: bool = True,
 ) -> list[tuple[dict[str, Any], TrainConfig]]:
     """Picked trials per (optimizer, epsilon) group, with their production configs."""
-    _, front = load_results(directory)
+    _, front = load_results(storage)
     if optimizer is not None:
         front = front[front["optimizer"] == optimizer]
     if epsilon is not None:
@@ -126,7 +140,7 @@ def export_configs(
                 trial,
                 epochs=epochs,
                 full_data=full_data,
-                tuning=tuning_cost(directory, row["group"]),
+                tuning=tuning_cost(storage, row["group"]),
                 secure_mode=secure_mode,
             )
             picked.append((row.to_dict(), config))
@@ -144,12 +158,13 @@ def write_configs(
     for row, config in picked:
         scores = ", ".join(f"{m}={row.get(m):.4f}" for m, _ in objectives if m in row)
         lines.append(
-            f"# trial {row['trial_id']} ({config.optimizer}, eps {config.epsilon:g}): {scores}"
+            f"# trial {row['trial_id']} ({config.optimizer.name}, eps "
+            f"{config.privacy.epsilon:g}): {scores}"
         )
-        if config.tuning is not None:
+        if (tuning := config.privacy.tuning) is not None:
             lines.append(
-                f"#   chosen by sweep {config.tuning.sweep} ({config.tuning.group}) at tuning "
-                f"epsilon {config.tuning.quoted_epsilon:.3g} on the same records: `dpivon "
+                f"#   chosen by sweep {tuning.sweep} ({tuning.group}) at tuning "
+                f"epsilon {tuning.quoted_epsilon:.3g} on the same records: `dpivon "
                 "train` reports the production epsilon composed with it"
             )
     documents = [c.model_dump(mode="json") for _, c in picked]

@@ -35,7 +35,8 @@ shown or described)::
     seed: 0                          # data split, training and Optuna seed; >= 0
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
-    storage_path: dpivon-runs        # Ray Tune results; relative to the current directory
+    storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
+                                     # s3://bucket/prefix, gs://..., file:// (search.storage)
     max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
@@ -423,13 +424,6 @@ class Pipeline(RunFile):
         if self.epsilons is None:
             return [float(self.total_epsilon)]
         return [float(e) for e in self.epsilons]
-
-    @property
-    def storage_location(self) -> str:
-        """``storage_path`` for Ray: a URI (``s3://...``) as is, else an absolute path."""
-        if "://" in self.storage_path:
-            return self.storage_path
-        return str(Path(self.storage_path).expanduser().resolve())
 
     @property
     def trial_count_shape(self) -> float | None:

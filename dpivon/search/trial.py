@@ -3,11 +3,14 @@
 Runs inside Ray workers and never touches MLflow (the driver is the only writer). Each
 epoch's report carries a checkpoint to resume from; the last one carries the trained model
 (mean + posterior) that the driver evaluates on the test set if the trial is on the front.
+A trial whose loss turns NaN or infinite ends with a last report flagged ``DIVERGED``
+(objectives NaN) instead of an error: a retry from its checkpoint would diverge again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,13 +21,17 @@ from ray import tune
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
+from dpivon.logs import quiet_known_output
+from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.tracking import save_checkpoint
-from dpivon.training import EpochReport, train
+from dpivon.training import EpochReport, TrainingDiverged, train
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
 COMPLETE = "training_complete"
+DIVERGED = "diverged"  # 1 in the last report of a trial whose loss became NaN or infinite
+DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
 
 
 def trial_seed(pipeline_seed: int, trial_id: str) -> int:
@@ -62,6 +69,7 @@ def run_trial(
     threads: int,
 ) -> None:
     """Ray Tune function trainable: ``params`` is what OptunaSearch drew."""
+    quiet_known_output()  # a Ray worker is an entry point of its own
     torch.set_num_threads(max(1, threads))
     config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
     node = {"node_id": ray.get_runtime_context().get_node_id()}
@@ -76,8 +84,11 @@ def run_trial(
         with checkpoint.as_directory() as directory:
             resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=True)
 
+    reported = {"epoch": resume_state["epoch"] if resume_state else 0}  # last epoch done
+
     def report_epoch(report: EpochReport) -> None:
-        if report.epoch == config.epochs:
+        reported["epoch"] = report.epoch
+        if report.epoch == config.training.epochs:
             return  # the final report below carries the model instead
         with tempfile.TemporaryDirectory() as directory:
             torch.save(report.checkpoint(), Path(directory) / RESUME_FILE)
@@ -86,9 +97,30 @@ def run_trial(
                 checkpoint=tune.Checkpoint.from_directory(directory),
             )
 
-    result = train(
-        config, data=data, on_epoch_end=report_epoch, resume_state=resume_state, evaluate_test=False
-    )
+    try:
+        result = train(
+            config,
+            data=data,
+            on_epoch_end=report_epoch,
+            resume_state=resume_state,
+            evaluate_test=False,
+        )
+    except TrainingDiverged as err:
+        # Tune checks that every result holds the objectives; NaN keeps them out of
+        # ASHA's rungs (nan-aware) and of Optuna (an incomplete trial is not told values).
+        nan_objectives = dict.fromkeys(METRIC_MODES, math.nan)
+        tune.report(
+            {
+                **nan_objectives,
+                "epoch": reported["epoch"] + 1,
+                COMPLETE: 0,
+                DIVERGED: 1,
+                DIVERGED_ERROR: str(err),
+                **err.privacy,  # what it spent: the tuning cost counts it
+                **node,
+            }
+        )
+        return
     final_metrics = {
         **released(result.history[-1]),
         **_privacy_facts(result.summary()),

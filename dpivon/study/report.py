@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -40,6 +40,9 @@ from dpivon.study.aggregate import (
     verdict_epsilons,
 )
 from dpivon.tracking import Tracker
+
+if TYPE_CHECKING:
+    from dpivon.search.storage import SweepStorage
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -433,7 +436,7 @@ def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Fi
     return fig
 
 
-def _pareto_png(directory: Path) -> bytes:
+def _pareto_png(directory: SweepStorage) -> bytes:
     from dpivon.search.export import load_results
     from dpivon.search.pareto import plot_fronts_png
     from dpivon.search.sweep import SweepState

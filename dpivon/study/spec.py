@@ -44,7 +44,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -67,6 +67,9 @@ from dpivon.constraints import Float, Int
 from dpivon.errors import DpivonError
 from dpivon.search.pipeline import RunFile, train_extras
 from dpivon.search.trial import trial_seed
+
+if TYPE_CHECKING:
+    from dpivon.search.storage import SweepStorage
 
 MIN_SEEDS = 3
 PICKS = ("knee", "max-accuracy", "min-ece")
@@ -195,12 +198,12 @@ class BenchmarkPipeline(RunFile):
         return dict(self._tuning_trials)
 
     @property
-    def sweep_directories(self) -> list[Path]:
+    def sweep_directories(self) -> list[SweepStorage]:
         """The distinct sweeps the tuned methods come from (for the Pareto fronts)."""
         from dpivon.search.export import resolve_sweep
 
         found = [resolve_sweep(m.from_sweep) for m in self.methods if m.from_sweep]
-        return list(dict.fromkeys(p.resolve() for p in found))
+        return list({s.uri: s for s in found}.values())
 
     @property
     def directory(self) -> Path:

@@ -1,0 +1,218 @@
+"""Where a sweep keeps its files: a local folder or any URI that Ray Tune can write.
+
+A sweep's folder is ``<storage_path>/<name>``. It holds the state file (``sweep.json``),
+the Tune experiment (with the trials' checkpoints) and the final reports. All of
+it goes through one pyarrow filesystem, the abstraction Ray Tune itself writes through, so
+the driver, the trials on every node and ``dpivon export`` see the same files:
+
+- a path (relative to the current directory, ``~`` expanded) or ``file:///abs/path``: the
+  local disk. On a cluster of several machines it must be storage every node mounts at the
+  same path (NFS, a ReadWriteMany volume): a trial restarted elsewhere restores from there.
+- ``s3://bucket/prefix``: S3 or an S3-compatible server (MinIO, ...). The endpoint comes
+  from ``AWS_ENDPOINT_URL`` or the URI's query
+  (``s3://bucket/prefix?endpoint_override=minio:9000&scheme=http``); credentials from the
+  usual AWS chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance
+  roles), which every Ray node needs as well. Never put them in the URI: it is shown,
+  tagged and pickled with the Tune experiment.
+- ``gs://bucket/prefix``: Google Cloud Storage (credentials as for any GCS client).
+
+API (``name`` arguments are paths relative to the sweep folder, ``/``-separated)::
+
+    storage = SweepStorage(pipeline.storage_path, pipeline.name)
+    SweepStorage.at("s3://bucket/prefix/quickstart")   # the same, from the folder itself
+    storage.uri                       # the folder as a URI (a plain path when local): show it
+    storage.is_local
+    tune.RunConfig(name=experiment, storage_path=storage.path,
+                   storage_filesystem=storage.filesystem)      # Tune's files in the folder
+    tune.Tuner.can_restore(storage.experiment_path(experiment),
+                           storage_filesystem=storage.filesystem)
+    storage.exists("sweep.json"); storage.read_text("sweep.json")
+    storage.write_text("sweep.json", text)     # atomic on a local disk (rename); an object
+                                               # store's put is atomic by itself
+    storage.write_bytes("pareto.png", data); storage.read_bytes(name); storage.listdir(name)
+    storage.uri_of(trial.checkpoint.path)      # a path Tune reports, as a URI for MLflow/CSV
+    with local_copy(uri) as path: ...          # a file or folder URI as a local path
+                                               # (downloaded to a temporary folder if remote)
+
+Every failure of the filesystem (unreachable endpoint, missing bucket, no credentials) is a
+one-line :class:`~dpivon.errors.DpivonError` naming the URI.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from dpivon.errors import DpivonError
+from dpivon.tracking import redact_uri
+
+__all__ = ["SweepStorage", "local_copy", "open_uri"]
+
+
+def _is_uri(location: str) -> bool:
+    return "://" in location
+
+
+def open_uri(location: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path on it) of a local path or a URI, as Ray resolves it."""
+    if not _is_uri(location):
+        return pafs.LocalFileSystem(), str(Path(location).expanduser().resolve())
+    try:
+        return pafs.FileSystem.from_uri(location)
+    except (OSError, ValueError) as err:
+        raise DpivonError(f"cannot open storage {redact_uri(location)}: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    # pyarrow's errors carry the AWS SDK's multi-line detail; the first line says it.
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+class SweepStorage:
+    """The folder ``<storage_path>/<name>`` of one sweep, on whatever filesystem it is."""
+
+    def __init__(self, storage_path: str, name: str):
+        self.storage_path, self.name = storage_path, name
+        root = storage_path.rstrip("/")
+        if _is_uri(root):
+            parts = urllib.parse.urlsplit(root)
+            if parts.password is not None:
+                # the URI is shown, tagged and pickled into Tune's experiment state
+                raise DpivonError(
+                    f"storage_path {redact_uri(root)} holds credentials: give them in the "
+                    "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) instead"
+                )
+            # the sweep folder inside the URI's path, the query (endpoint options) kept
+            location = urllib.parse.urlunsplit(parts._replace(path=f"{parts.path}/{name}"))
+            self._scheme, self._query = parts.scheme, parts.query
+        else:
+            location = str(Path(root).expanduser().resolve() / name)
+            self._scheme, self._query = "", ""
+        self.filesystem, self.path = open_uri(location)
+        self.is_local = isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    @classmethod
+    def at(cls, location: str) -> SweepStorage:
+        """The sweep whose folder is ``location`` itself (a path or a URI)."""
+        if not _is_uri(location):
+            folder = Path(location).expanduser().resolve()
+            return cls(str(folder.parent), folder.name)
+        parts = urllib.parse.urlsplit(location.rstrip("/"))
+        parent, _, name = parts.path.rpartition("/")
+        return cls(urllib.parse.urlunsplit(parts._replace(path=parent)), name)
+
+    def __reduce__(self):
+        # Pickled with Tune callbacks: rebuilt from its inputs, not from a live client.
+        return (SweepStorage, (self.storage_path, self.name))
+
+    def __repr__(self) -> str:
+        return f"SweepStorage({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        """The sweep folder: an absolute path when local, else a URI."""
+        return self.uri_of(self.path)
+
+    def uri_of(self, fs_path: str) -> str:
+        """A path on this storage's filesystem (as Tune reports checkpoints) as a location
+        that :func:`open_uri` and :func:`local_copy` open again, with the same options."""
+        if self.is_local or not self._scheme:
+            return fs_path
+        query = f"?{self._query}" if self._query else ""
+        return f"{self._scheme}://{fs_path.lstrip('/')}{query}"
+
+    def experiment_path(self, experiment: str) -> str:
+        """The path of a Tune experiment (``RunConfig(name=experiment)``) on
+        :attr:`filesystem`, for ``Tuner.can_restore`` / ``Tuner.restore``."""
+        return self._full(experiment)
+
+    def _full(self, name: str) -> str:
+        return f"{self.path}/{name}" if name else self.path
+
+    @contextmanager
+    def _errors(self, what: str, name: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as err:
+            raise DpivonError(
+                f"cannot {what} {self.uri_of(self._full(name))}: {_one_line(err)}"
+            ) from None
+
+    def exists(self, name: str = "") -> bool:
+        with self._errors("check", name):
+            info = self.filesystem.get_file_info(self._full(name))
+        return info.type != pafs.FileType.NotFound
+
+    def read_bytes(self, name: str) -> bytes:
+        with self._errors("read", name), self.filesystem.open_input_stream(self._full(name)) as f:
+            return f.read()
+
+    def read_text(self, name: str) -> str:
+        return self.read_bytes(name).decode("utf-8")
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write one file; on a local disk through a temporary file and a rename, so a
+        reader (or a driver killed mid-write) never sees half a state file."""
+        target = self._full(name)
+        with self._errors("write", name):
+            if self.is_local:
+                Path(target).parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=Path(target).parent, prefix=".tmp-")
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, target)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+            else:
+                with self.filesystem.open_output_stream(target) as f:
+                    f.write(data)
+
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode("utf-8"))
+
+    def listdir(self, name: str = "") -> list[str]:
+        """Names of the entries directly in ``name`` (sorted; empty when it is missing)."""
+        selector = pafs.FileSelector(self._full(name), allow_not_found=True)
+        with self._errors("list", name):
+            infos = self.filesystem.get_file_info(selector)
+        return sorted(info.base_name for info in infos)
+
+
+@contextmanager
+def local_copy(location: str) -> Iterator[Path]:
+    """A file or folder (local path or URI, e.g. a trial checkpoint) as a local path: the
+    path itself when local, else a copy in a temporary folder removed afterwards."""
+    filesystem, path = open_uri(location)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        if not Path(path).exists():
+            raise DpivonError(f"not found: {path}")
+        yield Path(path)
+        return
+    shown = redact_uri(location)
+    try:
+        info = filesystem.get_file_info(path)
+    except OSError as err:
+        raise DpivonError(f"cannot read {shown}: {_one_line(err)}") from None
+    if info.type == pafs.FileType.NotFound:
+        raise DpivonError(f"not found: {shown}")
+    with tempfile.TemporaryDirectory(prefix="dpivon-") as tmp:
+        target = Path(tmp) / info.base_name
+        if info.type == pafs.FileType.Directory:
+            target.mkdir()  # pyarrow creates the folders inside it, not the folder itself
+        try:
+            pafs.copy_files(
+                path, str(target), source_filesystem=filesystem,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
+        except OSError as err:
+            raise DpivonError(f"cannot download {shown}: {_one_line(err)}") from None
+        yield target
