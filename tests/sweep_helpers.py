@@ -8,6 +8,9 @@ from typing import Any
 import mlflow
 import yaml
 
+from dpivon.search.pipeline import Pipeline
+from dpivon.search.sweep import sweep_storage
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,3 +37,8 @@ def runs_of(tmp_path: Path, experiment: str) -> tuple[mlflow.MlflowClient, list,
     parents = [r for r in runs if r.data.tags.get("dpivon.kind") == "sweep"]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     return client, parents, children
+
+
+def sweep_folder(pipeline: Pipeline) -> Path:
+    """The local folder of a sweep of :func:`write_pipeline`."""
+    return Path(sweep_storage(pipeline).path)

@@ -295,7 +295,7 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert {r.config.data.synthetic_size for r in tuned} == {300}
     assert tuned[0].tuned_by == "s1/eps8-dp-sgd/eps8-dp-sgd-0"
     assert pipeline.tuning_trials == {("tuned", 8.0): 2, ("tuned", math.inf): 2}
-    assert pipeline.sweep_directories == [sweep.resolve()]
+    assert [s.uri for s in pipeline.sweep_directories] == [str(sweep.resolve())]
     report = build_report("with a sweep", hand_records(), sweeps=pipeline.sweep_directories)
     assert report.figures["pareto_s1.png"][:4] == b"\x89PNG"
     assert "Pareto fronts of the tuning sweeps" in report.markdown()

@@ -3,28 +3,38 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import mlflow
 import pandas as pd
 import pytest
 import ray
 import torch
-import yaml
-from sweep_helpers import REPO, runs_of, write_pipeline
+from fault_injection import injected_faults, trial_faults_runtime_env
+from optuna.trial import TrialState
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
+from dpivon.config import load_configs
+from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pareto import non_dominated_mask
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import run_sweep, sweep_directory
+from dpivon.search.results import TrialStatus, group_name
+from dpivon.search.sweep import TUNE_EXPERIMENT, run_sweep
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+def local_ray(tmp_path_factory):
+    """A local Ray whose trial workers can be told to fail (yields the faults file)."""
+    faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env=trial_faults_runtime_env(faults))
+    yield faults
     ray.shutdown()
 
 
@@ -52,7 +62,7 @@ def test_sweep_records_parent_children_and_pareto(finished_sweep):
         assert metrics["epsilon_spent"] <= 8.0
         history = client.get_metric_history(child.info.run_id, "val_accuracy")
         assert [m.step for m in history] == list(range(1, len(history) + 1))
-        if child.data.tags["dpivon.trial_status"] == "completed":
+        if child.data.tags["dpivon.trial_status"] == TrialStatus.COMPLETED:
             assert metrics["epsilon_spent"] >= 8.0 - 0.05
             assert len(history) == pipeline.epochs
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -91,7 +101,7 @@ def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition
         )
     )
     run_sweep(pipeline)
-    report = json.loads((sweep_directory(pipeline) / "tuning_privacy.json").read_text())
+    report = json.loads((sweep_folder(pipeline) / "tuning_privacy.json").read_text())
     (group,) = report.values()
     assert group["adaptive"] is True
     assert "random_trials_epsilon" not in group
@@ -102,12 +112,13 @@ def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition
 
 def test_front_is_non_dominated_and_only_front_sees_the_test_set(finished_sweep):
     tmp_path, pipeline, _ = finished_sweep
-    directory = sweep_directory(pipeline)
+    directory = sweep_folder(pipeline)
     trials = pd.read_csv(directory / "trials.csv")
     front = pd.read_csv(directory / "pareto_front.csv")
     assert not front.empty
-    assert (front["status"] == "completed").all()
-    for (_, _), group in trials[trials.status == "completed"].groupby(["optimizer", "epsilon"]):
+    assert (front["status"] == TrialStatus.COMPLETED).all()
+    completed = trials[trials.status == TrialStatus.COMPLETED]
+    for (_, _), group in completed.groupby(["optimizer", "epsilon"]):
         mask = non_dominated_mask(group[["val_accuracy", "val_ece"]].to_numpy(), ["max", "min"])
         assert set(group[mask].trial_id) == set(front.trial_id) & set(group.trial_id)
     _, _, children = runs_of(tmp_path, pipeline.experiment)
@@ -120,7 +131,7 @@ def test_front_is_non_dominated_and_only_front_sees_the_test_set(finished_sweep)
 def test_pareto_command_prints_the_front(finished_sweep, tmp_path):
     _, pipeline, _ = finished_sweep
     out = tmp_path / "front.png"
-    result = runner.invoke(app, ["pareto", str(sweep_directory(pipeline)), "--out", str(out)])
+    result = runner.invoke(app, ["pareto", str(sweep_folder(pipeline)), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "Pareto" in result.output
     assert out.stat().st_size > 10_000 and out.with_suffix(".html").exists()
@@ -133,7 +144,7 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
         app,
         [
             "export",
-            str(sweep_directory(pipeline)),
+            str(sweep_folder(pipeline)),
             "--pick",
             "knee",
             "--optimizer",
@@ -144,20 +155,20 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    config = yaml.safe_load(exported.read_text())
+    (config,) = load_configs(exported)
     # The selection's cost travels with the config; by default exports are secure.
-    tuning = config.pop("tuning")
-    assert tuning["group"] == "eps8-dp-sgd" and tuning["quoted_epsilon"] > 8.0
-    assert config["secure_mode"] is False
+    tuning = config.privacy.tuning
+    assert tuning.group == "eps8-dp-sgd" and tuning.quoted_epsilon > 8.0
+    assert config.privacy.secure_mode is False
     secure = tmp_path / "secure.yaml"
-    sweep_dir = str(sweep_directory(pipeline))
+    sweep_dir = str(sweep_folder(pipeline))
     runner.invoke(app, ["export", sweep_dir, "--optimizer", "dp-sgd", "--out", str(secure)])
-    assert yaml.safe_load(secure.read_text())["secure_mode"] is True
-    front = pd.read_csv(sweep_directory(pipeline) / "pareto_front.csv")
+    assert load_configs(secure)[0].privacy.secure_mode is True
+    front = pd.read_csv(sweep_folder(pipeline) / "pareto_front.csv")
     trial_id = next(t for t in front.trial_id if t in exported.read_text())
     _, _, children = runs_of(sweep_tmp, pipeline.experiment)
     trial = next(c for c in children if c.data.tags["dpivon.trial_id"] == trial_id)
-    assert {k: str(v) for k, v in config.items()} == {
+    assert {k: str(v) for k, v in config.flat().items() if k != "tuning"} == {
         k: v for k, v in trial.data.params.items() if k != "tuning"
     }
 
@@ -183,9 +194,9 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
     shared = [k for k in trial.data.params if k != "tuning"]
     assert {k: run.data.params[k] for k in shared} == {k: trial.data.params[k] for k in shared}
     # The production run states what covers its release: itself composed with the tuning.
-    assert run.data.metrics["tuning_epsilon"] == pytest.approx(tuning["quoted_epsilon"])
+    assert run.data.metrics["tuning_epsilon"] == pytest.approx(tuning.quoted_epsilon)
     assert run.data.metrics["epsilon_with_tuning"] > max(
-        run.data.metrics["epsilon_spent"], tuning["quoted_epsilon"]
+        run.data.metrics["epsilon_spent"], tuning.quoted_epsilon
     )
     assert "epsilon_with_tuning covers the released model" in result.output
     # Same data size, batch size and epochs: the noise recalibrates to the trial's sigma.
@@ -194,7 +205,7 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
     assert run.data.metrics["val_accuracy"] == pytest.approx(trial.data.metrics["val_accuracy"])
 
 
-def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path):
+def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray):
     spaces = REPO / "search_spaces" / "quickstart"
     # No ASHA here: it could stop a trial after its first report, before the failure.
     path = write_pipeline(
@@ -204,13 +215,14 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path):
         scheduler={"type": "none"},
         optimizers=[
             {"name": "dp-ivon-gradsq", "space": str(spaces / "dp-ivon-gradsq.yaml")},
-            {"name": "dp-sgd", "space": str(spaces / "dp-sgd.yaml"), "train": {"fail_at_epoch": 1}},
+            {"name": "dp-sgd", "space": str(spaces / "dp-sgd.yaml")},
         ],
     )
     pipeline = load_pipeline(path)
-    trials = run_sweep(pipeline)
-    assert (trials[trials.optimizer == "dp-sgd"].status == "failed").all()
-    assert (trials[trials.optimizer == "dp-ivon-gradsq"].status != "failed").all()
+    with injected_faults(local_ray, {"dp-sgd": 1}):
+        trials = run_sweep(pipeline)
+    assert (trials[trials.optimizer == "dp-sgd"].status == TrialStatus.FAILED).all()
+    assert (trials[trials.optimizer == "dp-ivon-gradsq"].status != TrialStatus.FAILED).all()
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["trials_failed"] == 2
@@ -222,26 +234,87 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path):
             assert "val_accuracy" in child.data.metrics
 
 
-def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path):
+def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
     path = write_pipeline(
         tmp_path,
         name="retry",
+        storage_path=(tmp_path / "runs").as_uri(),  # a file:// URI, through pyarrow
         max_failures=1,
         trials=1,
         scheduler={"type": "none"},
         optimizers=[
-            {
-                "name": "dp-sgd",
-                "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml"),
-                "train": {"fail_at_epoch": 1},
-            },
+            {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")},
         ],
     )
     pipeline = load_pipeline(path)
-    trials = run_sweep(pipeline)
+    with injected_faults(local_ray, {"dp-sgd": 1}):  # the first attempt fails after epoch 1
+        trials = run_sweep(pipeline)
     (status,) = trials.status
-    assert status in ("completed",)
+    assert status == TrialStatus.COMPLETED
     _, _, (child,) = runs_of(tmp_path, pipeline.experiment)
     assert child.info.status == "FINISHED"
     # Resumed from the epoch-1 checkpoint: the accountant kept the first epoch's steps.
     assert 8.0 - 0.05 <= child.data.metrics["epsilon_spent"] <= 8.0
+    assert (sweep_folder(pipeline) / "trials.csv").exists()
+
+
+def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
+    """3 groups with their own trial counts (2, 1, 1: drawn with seed 13), 3 trials at once."""
+    dp_sgd = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
+    pipeline = load_pipeline(
+        write_pipeline(
+            tmp_path, name="groups", epsilons=[2, 4, 8], optimizers=[dp_sgd], trials=2, epochs=1,
+            trial_count="geometric", seed=13, concurrency=3, resources={"cpu": 0.5},
+            scheduler={"type": "none"},
+        )
+    )
+    expected = {group_name(o, e): k for (o, e), k in pipeline.trial_counts().items()}
+    assert sorted(expected.values()) == [1, 1, 2]
+    run_sweep(pipeline)
+    _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+    assert parent.info.status == "FINISHED"
+    assert Counter(c.data.tags["dpivon.group"] for c in children) == expected
+    spans = [(c.data.tags["dpivon.group"], c.info.start_time, c.info.end_time) for c in children]
+    assert any(
+        g1 != g2 and s1 < e2 and s2 < e1 for g1, s1, e1 in spans for g2, s2, e2 in spans
+    ), f"no two groups overlapped: {spans}"
+    # Every group's Optuna study saw its own trials, and only those.
+    searcher = GroupSearcher({}, {})
+    searcher.restore_from_dir(str(sweep_folder(pipeline) / TUNE_EXPERIMENT))
+    assert searcher.group_of == {
+        c.data.tags["dpivon.trial_id"]: c.data.tags["dpivon.group"] for c in children
+    }
+    for group, study in searcher.studies.items():
+        states = [t.state for t in study._ot_study.trials]
+        assert states == [TrialState.COMPLETE] * expected[group], group
+
+
+def test_asha_compares_a_trial_with_its_own_group_only():
+    def asha():
+        return ASHAScheduler(metric="val_accuracy", mode="max", time_attr="training_iteration",
+                             max_t=4, grace_period=1, reduction_factor=2)
+
+    scheduler = GroupScheduler({"a": asha(), "b": asha()})
+    trials = {name: Trial("t", config={GROUP_KEY: name[0]}, stub=True, trial_id=name)
+              for name in ("a1", "b1", "b2")}
+    for trial in trials.values():
+        scheduler.on_trial_add(None, trial)
+
+    def report(name: str, accuracy: float) -> str:
+        result = {"training_iteration": 1, "val_accuracy": accuracy}
+        return scheduler.on_trial_result(None, trials[name], result)
+
+    assert report("a1", 0.9) == TrialScheduler.CONTINUE
+    # One ASHA for both groups would stop b1 here: it is below a1 at the first rung.
+    assert report("b1", 0.1) == TrialScheduler.CONTINUE
+    assert report("b2", 0.05) == TrialScheduler.STOP  # below b1, of its own group
+
+
+def test_a_trial_no_node_can_host_is_one_line_before_any_run(tmp_path):
+    path = write_pipeline(tmp_path, name="gpu", resources={"cpu": 1, "gpu": 1})
+    result = runner.invoke(app, ["sweep", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "1 GPU" in result.output and "more than any node" in result.output
+    assert "Traceback" not in result.output
+    _, parents, children = runs_of(tmp_path, load_pipeline(path).experiment)
+    assert parents == [] and children == []

@@ -1,25 +1,28 @@
-"""Resume after the driver is SIGKILLed; trials on a two-node Ray cluster; bad pipelines."""
+"""Resume after the driver is SIGKILLed or stopped by SIGINT / SIGTERM; trials on a two-node
+Ray cluster; bad pipelines and clusters that can never run them."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from sweep_helpers import REPO, runs_of, write_pipeline
+from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import run_sweep, sweep_directory
+from dpivon.search.sweep import RAY_CONNECT_TIMEOUT_S, run_sweep
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
+DP_SGD = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
 
 
 def _sweep_process(pipeline_path, *flags: str) -> subprocess.Popen:
@@ -30,22 +33,29 @@ def _sweep_process(pipeline_path, *flags: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str) -> None:
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        time.sleep(0.5)
+        if reached():
+            return
+        assert driver.poll() is None, driver.stderr.read().decode()[-3000:]
+    pytest.fail(f"the sweep did not reach {what} in time")
+
+
 def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
     path = write_pipeline(tmp_path, name="killed", concurrency=1, scheduler={"type": "none"})
     pipeline = load_pipeline(path)
-    state_file = sweep_directory(pipeline) / "sweep.json"
     driver = _sweep_process(path)
-    deadline = time.time() + 400
-    # Kill once the first optimizer's trials are done and the second one's are under way.
-    while time.time() < deadline:
-        time.sleep(1)
-        if state_file.exists() and json.loads(state_file.read_text())["groups_done"]:
-            _, _, children = runs_of(tmp_path, pipeline.experiment)
-            if any(c.info.status == "RUNNING" for c in children):
-                break
-        assert driver.poll() is None, driver.stderr.read().decode()[-3000:]
-    else:
-        pytest.fail("the sweep did not reach its second group in time")
+
+    def one_finished_and_one_under_way() -> bool:
+        # Under way: it has reported an epoch, so Tune's saved state (every second) has it.
+        _, _, children = runs_of(tmp_path, pipeline.experiment)
+        return any(c.info.status == "FINISHED" for c in children) and any(
+            c.info.status == "RUNNING" and "val_accuracy" in c.data.metrics for c in children
+        )
+
+    _wait_until(driver, one_finished_and_one_under_way, "a finished and a running trial")
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     _, _, before = runs_of(tmp_path, pipeline.experiment)
@@ -68,6 +78,43 @@ def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
             assert [m.step for m in epochs] == list(range(1, pipeline.epochs + 1))
 
 
+@pytest.mark.slow
+def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path):
+    path = write_pipeline(tmp_path, name="stopped", trials=1, epochs=3, optimizers=[DP_SGD],
+                          scheduler={"type": "none"})
+    pipeline = load_pipeline(path)
+
+    def epochs_logged() -> int:
+        client, _, children = runs_of(tmp_path, pipeline.experiment)
+        return sum(len(client.get_metric_history(c.info.run_id, "val_accuracy"))
+                   for c in children)
+
+    # Ctrl-C (the terminal signals the whole process group) after epoch 1, then SIGTERM to
+    # the resumed driver alone (as `kill` or a container stop) after epoch 2.
+    for number, flags, epochs in ((signal.SIGINT, (), 1), (signal.SIGTERM, ("--resume",), 2)):
+        driver = _sweep_process(path, *flags)
+        _wait_until(driver, lambda e=epochs: epochs_logged() >= e, f"epoch {epochs}")
+        if number == signal.SIGINT:
+            os.killpg(driver.pid, number)
+        else:
+            driver.send_signal(number)
+        _, stderr = driver.communicate(timeout=120)
+        assert driver.returncode == 128 + number, stderr.decode()[-3000:]
+        _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+        assert parent.info.status == "KILLED"
+        assert [c.info.status for c in children] == ["KILLED"]  # none left RUNNING
+        assert "--resume" in stderr.decode()
+
+    resumed = _sweep_process(path, "--resume")
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr.decode()[-3000:]
+    client, (parent,), (child,) = runs_of(tmp_path, pipeline.experiment)
+    assert parent.info.status == child.info.status == "FINISHED"
+    # Each resume went on from the trial's last epoch checkpoint: every epoch ran once.
+    history = client.get_metric_history(child.info.run_id, "val_accuracy")
+    assert [m.step for m in history] == [1, 2, 3]
+
+
 def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
     if ray.is_initialized():
         ray.shutdown()
@@ -76,9 +123,7 @@ def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
     cluster.wait_for_nodes()
     try:
         path = write_pipeline(tmp_path, name="cluster", trials=2, concurrency=2,
-                              scheduler={"type": "none"}, optimizers=[
-                                  {"name": "dp-sgd", "space": str(
-                                      REPO / "search_spaces/quickstart/dp-sgd.yaml")}])
+                              scheduler={"type": "none"}, optimizers=[DP_SGD])
         pipeline = load_pipeline(path)
         run_sweep(pipeline, address=cluster.address)
     finally:
@@ -120,8 +165,31 @@ def test_bad_search_space_gives_one_clear_line(tmp_path):
 
 def test_existing_sweep_needs_resume(tmp_path):
     path = write_pipeline(tmp_path)
-    directory = sweep_directory(load_pipeline(path))
+    directory = sweep_folder(load_pipeline(path))
     directory.mkdir(parents=True)
     (directory / "sweep.json").write_text("{}")
     result = CliRunner().invoke(app, ["sweep", str(path)])
     assert result.exit_code == 2 and "--resume" in result.output
+
+
+def test_an_unreachable_ray_address_gives_up_within_seconds(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    path = write_pipeline(tmp_path, name="unreachable")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        # The backlog holds this one connection; the sweep's is then never answered.
+        held = socket.create_connection(server.getsockname())
+        try:
+            started = time.monotonic()
+            address = "{}:{}".format(*server.getsockname())
+            result = CliRunner().invoke(app, ["sweep", str(path), "--address", address])
+            took = time.monotonic() - started
+        finally:
+            held.close()
+    assert result.exit_code == 2, result.output
+    assert f"cannot reach the Ray cluster at {address}" in result.output
+    assert "Traceback" not in result.output
+    assert took < RAY_CONNECT_TIMEOUT_S + 20
+    assert runs_of(tmp_path, load_pipeline(path).experiment)[1:] == ([], [])

@@ -19,7 +19,7 @@ from ray import tune
 from rich.console import Console
 
 from dpivon.errors import DpivonError
-from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
+from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus, child_runs
 from dpivon.search.space import SearchSpace
 from dpivon.search.storage import SweepStorage
 from dpivon.search.trial import COMPLETE, DIVERGED, DIVERGED_ERROR, trial_train_config
@@ -271,11 +271,7 @@ def trial_error(trial) -> str:
 
 
 def child_runs_by_trial(tracker: Tracker, parent_run_id: str) -> dict[str, str]:
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-        max_results=10000,
-    )
+    runs = child_runs(tracker, parent_run_id)
     return {r.data.tags[TRIAL_TAG]: r.info.run_id for r in runs if TRIAL_TAG in r.data.tags}
 
 
@@ -323,8 +319,9 @@ class SweepProgress(tune.Callback):
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         # a failed attempt (a lost node, a crash) that Tune retries (FailureConfig)
-        self._line(trial, f"[yellow]retried[/] from its last checkpoint ({trial_error(trial)})",
-                   trials)
+        self._line(
+            trial, f"[yellow]retried[/] from its last checkpoint ({trial_error(trial)})", trials
+        )
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.failed += 1

@@ -28,10 +28,13 @@ from rich.console import Console
 from rich.table import Table
 
 from dpivon.errors import DpivonError
+from dpivon.search.results import TrialStatus
 
-COMPLETED = "completed"
-EARLY_STOPPED = "early_stopped"
-FAILED = "failed"
+COMPLETED, EARLY_STOPPED, FAILED = (
+    TrialStatus.COMPLETED,
+    TrialStatus.EARLY_STOPPED,
+    TrialStatus.FAILED,
+)
 MODES = ("max", "min")
 PICKS = ("knee", "max-accuracy", "min-ece", "pareto")
 

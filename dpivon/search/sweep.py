@@ -1,79 +1,87 @@
 """`dpivon sweep`: Ray Tune + Optuna over (epsilon x optimizer) groups, tracked in MLflow.
 
-For every epsilon and optimizer of the pipeline, one Tune experiment runs the trials of
-that group (its own Optuna study: TPE learns per optimizer and budget), each trial
-recalibrating sigma_p for its own batch size and epochs. The driver alone writes MLflow:
-one parent run per sweep, one child run per trial. When all groups are done, the Pareto
-fronts (validation metrics, completed trials only) are computed, their members evaluated
-on the test set, and the comparison is logged on the parent run.
+Every group keeps its own Optuna study (TPE learns per optimizer and budget), its own trial
+count and, with ASHA, its own scheduler, but all groups run in ONE Tune experiment: a
+searcher that multiplexes the studies (each suggested config carries its group) under the
+sweep-wide ``concurrency`` limit, so the cluster stays busy across groups. Each trial
+recalibrates sigma_p for its own batch size and epochs. The driver alone writes MLflow: one
+parent run per sweep, one child run per trial (dpivon.search.callbacks). When every trial
+has run, dpivon.search.report builds the fronts and the report from the MLflow record.
 
-Sweep state lives in ``<storage_path>/<name>/``: ``sweep.json`` (parent run, finished
-groups), one Tune experiment folder per group, and the final tables.
+Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / ``gs://``
+/ ``file://`` through dpivon.search.storage): ``sweep.json`` (parent run, per-trial
+epsilons), the Tune experiment ``trials/`` (trial checkpoints, searcher state), the final
+tables and plots. SIGINT or SIGTERM stop the sweep cleanly (trials keep their
+checkpoints, the parent run ends KILLED, exit 128 + signal); ``--resume`` finishes what was
+interrupted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
+import signal
+import socket
 import subprocess
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import optuna
 import pandas as pd
 import ray
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler
-from ray.tune.search.optuna import OptunaSearch
 from rich.console import Console
 
 from dpivon.config import parse_config
+from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import evaluate
-from dpivon.privacy.tuning import (
-    SweepConditions,
-    TrialMechanism,
-    candidate_mechanisms,
-    solve_trial_epsilon,
-    tuning_privacy_report,
-    worst_case_tuning_epsilon,
+from dpivon.search.callbacks import TRACKING_URI_ENV
+from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
+from dpivon.search.pipeline import Pipeline, Resources
+from dpivon.search.report import (
+    FRONT_FILE,
+    TRIALS_FILE,
+    TUNING_FILE,
+    report_sweep,
+    solve_trial_epsilons,
 )
-from dpivon.search.callbacks import (
-    CHECKPOINT_TAG,
-    STATUS_TAG,
-    TRACKING_URI_ENV,
-    TRIAL_TAG,
-    MlflowTrialLogger,
-    SweepProgress,
-)
-from dpivon.search.pareto import (
-    hypervolume_2d,
-    pareto_front,
-    plot_fronts_html,
-    plot_fronts_png,
-    print_front_table,
-)
-from dpivon.search.pipeline import Pipeline
-from dpivon.search.trial import COMPLETE, MODEL_FILE, run_trial
-from dpivon.tracking import Tracker, load_checkpoint, log_model
+from dpivon.search.results import child_runs, group_name
+from dpivon.search.storage import SweepStorage
+from dpivon.tracking import Tracker
 from dpivon.training import load_data
 
+# Names other modules import from here (dpivon.search.export, dpivon.study).
+__all__ = [
+    "FRONT_FILE",
+    "STATE_FILE",
+    "TRIALS_FILE",
+    "TUNING_FILE",
+    "SweepInterrupted",
+    "SweepState",
+    "group_name",
+    "run_sweep",
+    "sweep_storage",
+]
+
 STATE_FILE = "sweep.json"
-TRIALS_FILE = "trials.csv"
-FRONT_FILE = "pareto_front.csv"
-TUNING_FILE = "tuning_privacy.json"
+TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
+RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for minutes
+NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
+SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
+_TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
 console = Console(stderr=True)
 
 
 @dataclass
 class SweepState:
-    """What a resumed driver needs: the parent run and which groups are finished."""
+    """What a resumed driver needs: the parent run and the epsilon each group's trials spend."""
 
     name: str
     pipeline_path: str
@@ -81,113 +89,199 @@ class SweepState:
     experiment: str
     parent_run_id: str
     objectives: list[tuple[str, str]]
-    groups_done: list[str] = field(default_factory=list)
     # group -> the epsilon each of its trials spends (differs from the group's budget only
     # with total_epsilon); fixed when the sweep starts so that a resume keeps it
     trial_epsilons: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, directory: Path) -> SweepState:
-        state = json.loads((directory / STATE_FILE).read_text())
+    def load(cls, storage: SweepStorage) -> SweepState:
+        state = json.loads(storage.read_text(STATE_FILE))
         state["objectives"] = [tuple(pair) for pair in state["objectives"]]
-        return cls(**state)
+        known = {f.name for f in fields(cls)}  # older sweeps also listed their finished groups
+        return cls(**{k: v for k, v in state.items() if k in known})
 
-    def save(self, directory: Path) -> None:
-        tmp = directory / f"{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(self.__dict__, indent=2))
-        tmp.replace(directory / STATE_FILE)
-
-
-class CompletionAwareOptunaSearch(OptunaSearch):
-    """Tells Optuna that an ASHA-stopped trial was PRUNED, not COMPLETE with its last
-    (partially trained) values, so early-stopped trials never steer the search as
-    finished points of the front."""
-
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
-        if result is not None and not result.get(COMPLETE):
-            result = None
-        super().on_trial_complete(trial_id, result=result, error=error)
+    def save(self, storage: SweepStorage) -> None:
+        storage.write_text(STATE_FILE, json.dumps(self.__dict__, indent=2))  # atomic
 
 
-def group_name(optimizer: str, epsilon: float) -> str:
-    """The key of one (optimizer, epsilon) group: Tune experiment, MLflow tags, reports."""
-    return f"eps{epsilon:g}-{optimizer}"
+def sweep_storage(pipeline: Pipeline) -> SweepStorage:
+    """The sweep's folder ``<storage_path>/<name>``, wherever it is stored."""
+    return SweepStorage(pipeline.storage_path, pipeline.name)
 
 
-def sweep_conditions(pipeline: Pipeline) -> SweepConditions:
-    return SweepConditions(
-        trial_count=pipeline.trial_count,
-        mean_trials=float(pipeline.trials),
-        adaptive_sampler=pipeline.sampler != "random",
-        adaptive_scheduler=pipeline.scheduler.type != "none",
-        release=pipeline.release,
-    )
-
-
-def group_candidates(pipeline: Pipeline, optimizer: str, trial_epsilon: float) -> list:
-    """Mechanisms covering every trial the space can produce at ``trial_epsilon``."""
-    space = pipeline.spaces[optimizer]
-    batch_sizes = space.all_values("batch_size")
-    if batch_sizes is None:
-        base = pipeline.base_train_config(optimizer, pipeline.epsilon_list[0])
-        batch_sizes = [parse_config(base).batch_size]
-    return candidate_mechanisms(
-        batch_sizes,
-        dataset_size=pipeline.data.train_size,
-        epochs=pipeline.epochs,
-        target_epsilon=trial_epsilon,
-        delta=pipeline.delta,
-        accountant=pipeline.accountant,
-        validation_noise_multiplier=pipeline.validation_noise,
-    )
-
-
-def solve_trial_epsilons(pipeline: Pipeline, counts: dict) -> dict[str, float]:
-    """Each group's per-trial epsilon: its budget, or with ``total_epsilon`` the largest one
-    whose quoted tuning epsilon (worst case over the space) is at most the total."""
-    if pipeline.total_epsilon is None:
-        return {
-            group_name(o, e): e for o in pipeline.optimizer_names for e in pipeline.epsilon_list
-        }
-    conditions, total = sweep_conditions(pipeline), pipeline.total_epsilon
-    solved = {}
-    for optimizer in pipeline.optimizer_names:
-        trials = counts[(optimizer, total)]
-        console.print(f"solving the per-trial epsilon of {optimizer} for total {total:g}...")
-        eps = solve_trial_epsilon(
-            total,
-            lambda e, o=optimizer, k=trials: worst_case_tuning_epsilon(
-                group_candidates(pipeline, o, e), pipeline.delta, conditions, k
-            ),
+def _run_trials(
+    pipeline: Pipeline, groups: list[SweepGroup], data: DataSplits, state: SweepState,
+    storage: SweepStorage, tracking_uri: str, concurrency: int, stop: _StopOnSignals,
+) -> None:
+    """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
+    ``concurrency`` at once."""
+    for group in groups:
+        if group.trials == 0:
+            console.print(f"[bold]{group.name}[/]: K = 0 trials drawn; the group runs none")
+    groups = [g for g in groups if g.trials > 0]
+    if not groups:
+        return
+    trainable = group_trainable(groups, data, pipeline.resources)
+    path, filesystem = storage.experiment_path(TUNE_EXPERIMENT), storage.filesystem
+    if tune.Tuner.can_restore(path, storage_filesystem=filesystem):  # only a resumed sweep
+        console.print("restoring the interrupted trials")
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,
+                                   resume_errored=False, storage_filesystem=filesystem)
+    else:
+        run_config = tune.RunConfig(
+            name=TUNE_EXPERIMENT,
+            storage_path=storage.path,
+            storage_filesystem=filesystem,
+            failure_config=tune.FailureConfig(max_failures=pipeline.max_failures),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+            callbacks=[StopWhenSaved()],
+            verbose=0,
         )
-        console.print(f"  {optimizer}: each of {trials} trials spends epsilon {eps:.3f}")
-        solved[group_name(optimizer, total)] = eps
-    return solved
+        tuner = group_tuner(pipeline, groups, trainable, run_config, storage,
+                            concurrency=concurrency, tracking_uri=tracking_uri,
+                            experiment=state.experiment, parent_run_id=state.parent_run_id)
+    console.print(f"{len(groups)} groups, {sum(g.trials for g in groups)} trials, "
+                  f"{concurrency} at a time")
+    with stop.tuning():
+        tuner.fit()
 
 
-def sweep_directory(pipeline: Pipeline) -> Path:
-    return Path(pipeline.storage_path).resolve() / pipeline.name
+# --- interruptions --------------------------------------------------------------------------
 
 
-def _sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
-    samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
-        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-    }
-    return samplers[name]()
+class SweepInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the sweep: its trials keep their checkpoints, its parent
+    run is KILLED, ``--resume`` finishes it. A KeyboardInterrupt, so runs end KILLED."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(f"interrupted by {signal.Signals(signal_number).name}")
+        self.signal_number = signal_number
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal_number  # the shell's convention: 130 SIGINT, 143 SIGTERM
 
 
-def _init_ray(address: str | None) -> None:
+class _StopOnSignals:
+    """While active, SIGINT and SIGTERM stop the sweep cleanly.
+
+    Inside ``Tuner.fit`` the first signal asks for Tune's own graceful stop (its SIGUSR1
+    handler): Tune saves the experiment with the trials in flight, so a resume restarts
+    them from their last checkpoints. Tune registers a reported checkpoint one step after
+    the report, so the stop waits for those (:class:`StopWhenSaved`, at most
+    ``SAVE_WAIT_S``). Anywhere else, or at a second signal, the signal raises
+    :class:`SweepInterrupted` at once.
+    """
+
+    active: _StopOnSignals | None = None  # the one of this process, for StopWhenSaved
+
+    def __enter__(self) -> _StopOnSignals:
+        self.received: int | None = None
+        self._tuning = self._stopping = False
+        self._deadline = 0.0
+        # Handlers can only be set from the main thread; elsewhere the defaults stay.
+        self._active = threading.current_thread() is threading.main_thread()
+        if self._active:
+            self._usr1 = signal.getsignal(signal.SIGUSR1)
+            self._previous = {
+                number: signal.signal(number, self._handle)
+                for number in (signal.SIGINT, signal.SIGTERM)
+            }
+            # Tune would take SIGINT over during fit and swallow it; this handler decides.
+            self._tune_sigint = os.environ.get(_TUNE_SIGINT_ENV)
+            os.environ[_TUNE_SIGINT_ENV] = "1"
+            _StopOnSignals.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._active:
+            return
+        _StopOnSignals.active = None
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        signal.signal(signal.SIGUSR1, self._usr1)
+        if self._tune_sigint is None:
+            os.environ.pop(_TUNE_SIGINT_ENV, None)
+        else:
+            os.environ[_TUNE_SIGINT_ENV] = self._tune_sigint
+
+    @contextmanager
+    def tuning(self) -> Iterator[None]:
+        self._tuning = True
+        try:
+            yield
+        finally:
+            self._tuning = False
+
+    def _handle(self, number: int, frame) -> None:
+        if self.received is None and self._tuning:
+            self.received, self._deadline = number, time.monotonic() + SAVE_WAIT_S
+            console.print(f"{signal.Signals(number).name}: stopping the sweep; the trials "
+                          "keep their checkpoints (again to stop at once)")
+            return
+        raise SweepInterrupted(self.received or number)
+
+    def stop_tune_once_saved(self, trials: list) -> None:
+        """Between two steps of Tune's loop: after a signal, and once no trial's checkpoint
+        is being registered, trigger Tune's graceful stop."""
+        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed when Tune's loop starts
+        if self.received is None or self._stopping or tune_stop is self._usr1:
+            return
+        if any(t.is_saving for t in trials) and time.monotonic() < self._deadline:
+            return
+        self._stopping = True
+        tune_stop(self.received, None)
+
+
+class StopWhenSaved(tune.Callback):
+    """Lets the driver's signal handling stop Tune between steps (see _StopOnSignals)."""
+
+    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+        if _StopOnSignals.active is not None:
+            _StopOnSignals.active.stop_tune_once_saved(trials)
+
+
+def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
+    """The child runs an interruption left RUNNING end KILLED (a resume reopens them)."""
+    for run in child_runs(tracker, parent_run_id):
+        if run.info.status == "RUNNING":
+            tracker.end_run(run.info.run_id, "KILLED")
+
+
+# --- Ray ------------------------------------------------------------------------------------
+
+
+def _check_reachable(address: str) -> None:
+    """Nothing answering at a host:port address is one line within seconds, not minutes of
+    Ray's own retries. ``auto`` and ``local`` are Ray's to resolve."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address in ("auto", "local") or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), RAY_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise DpivonError(
+            f"cannot reach the Ray cluster at {address} within {RAY_CONNECT_TIMEOUT_S:g} s "
+            f"({err or type(err).__name__}); check --address / RAY_ADDRESS, or omit both for "
+            "a local Ray"
+        ) from None
+
+
+def _init_ray(address: str | None) -> bool:
+    """Connect to the cluster at ``address`` (else $RAY_ADDRESS, else start a local Ray);
+    True when this joined an existing cluster, whose nodes may still be joining."""
     # Trial failures are reported by SweepProgress in one line and recorded in MLflow;
     # Tune's own tracebacks and state messages would bury them.
     logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables at all
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # resumable within a second
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
@@ -195,6 +289,36 @@ def _init_ray(address: str | None) -> None:
             ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
+    return bool(address) and address != "local"
+
+
+def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
+    """How many trials the cluster's nodes hold at once (each trial on one node).
+
+    None fitting anywhere is an error now (Tune would wait forever); nodes that are still
+    joining get ``wait_s`` seconds.
+    """
+    need = {"CPU": resources.cpu, "GPU": resources.gpu}
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        slots = sum(
+            min(int(node.get(k, 0.0) // v) for k, v in need.items() if v > 0) for node in nodes
+        )
+        if slots > 0:
+            return slots
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    have = "; ".join(f"{n.get('CPU', 0):g} CPU, {n.get('GPU', 0):g} GPU" for n in nodes)
+    raise DpivonError(
+        f"each trial asks for {resources.cpu:g} CPU and {resources.gpu:g} GPU (the pipeline's "
+        f"resources:), more than any node of the Ray cluster has (nodes: {have or 'none'}); "
+        "lower resources: or run on a cluster with such a node"
+    )
+
+
+# --- the sweep ------------------------------------------------------------------------------
 
 
 def _provenance() -> dict[str, str]:
@@ -215,29 +339,11 @@ def _provenance() -> dict[str, str]:
     return {"git_commit": commit or "unknown", "python": platform.python_version(), **versions}
 
 
-def _start_or_resume(
-    pipeline: Pipeline,
-    directory: Path,
-    tracker: Tracker,
-    resume: bool,
+def _record_new_sweep(
+    pipeline: Pipeline, storage: SweepStorage, tracker: Tracker, parent: str,
     trial_epsilons: dict[str, float],
 ) -> SweepState:
-    if (directory / STATE_FILE).exists():
-        if not resume:
-            raise DpivonError(
-                f"sweep {pipeline.name!r} already exists in {directory}; pass --resume to "
-                "continue it, or change the pipeline's name (or delete that folder) to start over"
-            )
-        state = SweepState.load(directory)
-        tracker.client.update_run(state.parent_run_id, status="RUNNING")
-        console.print(f"resuming sweep {pipeline.name!r}: groups done {state.groups_done}")
-        return state
-    if resume:
-        console.print(f"[yellow]note:[/] nothing to resume in {directory}; starting the sweep")
-    directory.mkdir(parents=True, exist_ok=True)
-    parent = tracker.start_run(
-        pipeline.name, tags={"dpivon.kind": "sweep", "dpivon.sweep_dir": str(directory)}
-    )
+    """The new parent run's settings and files, and the state file that names it."""
     tracker.log_params(
         parent,
         {
@@ -254,7 +360,7 @@ def _start_or_resume(
             "total_epsilon": pipeline.total_epsilon,
             "validation_noise": pipeline.validation_noise,
             "epochs": pipeline.epochs,
-            "model": pipeline.model,
+            "model": pipeline.model.name,
             **_provenance(),
         },
     )
@@ -270,238 +376,8 @@ def _start_or_resume(
         list(pipeline.objective_pairs),
         trial_epsilons=trial_epsilons,
     )
-    state.save(directory)
+    state.save(storage)
     return state
-
-
-def _run_group(
-    pipeline: Pipeline,
-    optimizer: str,
-    epsilon: float,
-    num_trials: int,
-    data,
-    state: SweepState,
-    directory: Path,
-    resume: bool,
-    tracking_uri: str,
-) -> None:
-    space = pipeline.spaces[optimizer]
-    group = group_name(optimizer, epsilon)
-    base = pipeline.base_train_config(optimizer, epsilon, state.trial_epsilons[group])
-    cpu, gpu = pipeline.resources.cpu, pipeline.resources.gpu
-    trainable = tune.with_resources(
-        tune.with_parameters(
-            run_trial, data=data, base_config=base, space=space, threads=max(1, int(cpu))
-        ),
-        {"cpu": cpu, "gpu": gpu},
-    )
-    path = directory / group
-    if resume and tune.Tuner.can_restore(path):
-        console.print(f"[bold]{group}[/]: restoring the interrupted Tune experiment")
-        tuner = tune.Tuner.restore(
-            str(path), trainable, resume_unfinished=True, resume_errored=False
-        )
-    else:
-        (first_metric, first_mode), (second_metric, second_mode) = pipeline.objective_pairs
-        searcher = CompletionAwareOptunaSearch(
-            space=space.define_by_run,
-            metric=[first_metric, second_metric],
-            mode=[first_mode, second_mode],
-            sampler=_sampler(pipeline.sampler, pipeline.seed),
-        )
-        scheduler = None
-        if pipeline.scheduler.type == "asha":
-            scheduler = ASHAScheduler(
-                metric=first_metric,
-                mode=first_mode,
-                time_attr="training_iteration",
-                max_t=pipeline.epochs,
-                grace_period=pipeline.scheduler.grace_period,
-                reduction_factor=pipeline.scheduler.reduction_factor,
-            )
-        tags = {
-            "dpivon.group": group,
-            "dpivon.optimizer": optimizer,
-            "dpivon.epsilon": f"{epsilon:g}",
-        }
-        tuner = tune.Tuner(
-            trainable,
-            tune_config=tune.TuneConfig(
-                search_alg=searcher,
-                scheduler=scheduler,
-                num_samples=num_trials,
-                max_concurrent_trials=pipeline.concurrency,
-            ),
-            run_config=tune.RunConfig(
-                name=group,
-                storage_path=str(directory),
-                failure_config=tune.FailureConfig(max_failures=pipeline.max_failures),
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                callbacks=[
-                    MlflowTrialLogger(
-                        tracking_uri, state.experiment, state.parent_run_id, base, space, tags
-                    ),
-                    SweepProgress(group, num_trials, first_metric, first_mode),
-                ],
-                verbose=0,
-            ),
-        )
-    console.print(f"[bold]{group}[/]: {num_trials} trials, {pipeline.concurrency} at a time")
-    tuner.fit()
-
-
-def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
-    """One row per trial, from the MLflow child runs (the record that survives resumes)."""
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-        max_results=10000,
-    )
-    rows = []
-    for run in runs:
-        tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
-        status = tags.get(STATUS_TAG, "failed")
-        if status == "running" or run.info.status == "FAILED":
-            status = "failed"
-        rows.append(
-            {
-                "trial_id": tags.get(TRIAL_TAG),
-                "run_id": run.info.run_id,
-                "group": tags.get("dpivon.group"),
-                "optimizer": params.get("optimizer"),
-                "epsilon": float(params.get("epsilon", "nan")),
-                "status": status,
-                "checkpoint": tags.get(CHECKPOINT_TAG),
-                **{f"param.{k}": v for k, v in params.items()},
-                **metrics,
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def _evaluate_front_on_test(front: pd.DataFrame, data, tracker: Tracker) -> pd.DataFrame:
-    """Test metrics of the front members (selected on validation, never on test)."""
-    test_rows = []
-    for _, row in front.iterrows():
-        config, model, posterior = load_checkpoint(Path(row["checkpoint"]) / MODEL_FILE)
-        result = evaluate(
-            model,
-            data.test,
-            posterior=posterior,
-            bma_samples=config.bma_samples,
-            n_bins=config.ece_bins,
-            seed=config.seed,
-        )
-        test = {f"test_{k}": v for k, v in result.metrics.items()}
-        tracker.log_metrics(row["run_id"], test, step=config.epochs)
-        tracker.set_tags(row["run_id"], {"dpivon.pareto_optimal": "true"})
-        log_model(tracker, row["run_id"], config, model, posterior)
-        test_rows.append({"trial_id": row["trial_id"], **test})
-    return front.merge(pd.DataFrame(test_rows), on="trial_id", how="left") if test_rows else front
-
-
-def _tuning_privacy(
-    trials: pd.DataFrame, pipeline: Pipeline, state: SweepState, counts
-) -> dict[str, Any]:
-    """Per private group: what its trials cost, under which threat model, what to quote."""
-    conditions = sweep_conditions(pipeline)
-    reports = {}
-    for (optimizer, budget), drawn in counts.items():
-        group = group_name(optimizer, budget)
-        trial_eps = state.trial_epsilons[group]
-        if math.isinf(trial_eps) or not parse_config(
-            pipeline.base_train_config(optimizer, budget, trial_eps)
-        ).is_private:
-            continue
-        ran = trials[(trials["optimizer"] == optimizer) & (trials["epsilon"] == trial_eps)]
-        if "noise_multiplier" in ran:
-            ran = ran.dropna(subset=["noise_multiplier", "sample_rate", "steps"])
-        else:
-            ran = ran.iloc[0:0]
-        releases = pipeline.epochs if pipeline.validation_noise > 0 else 0
-        mechanisms = [
-            TrialMechanism(
-                r.noise_multiplier, r.sample_rate, int(r.steps), pipeline.validation_noise,
-                releases,
-            )
-            for r in ran.itertuples()
-        ]
-        if not mechanisms and drawn > 0:
-            continue  # every trial failed before training: nothing ran, nothing to report
-        needs_candidates = drawn > 0 and not conditions.random_trials_obstacles()
-        report = tuning_privacy_report(
-            mechanisms,
-            pipeline.delta,
-            conditions,
-            candidates=group_candidates(pipeline, optimizer, trial_eps)
-            if needs_candidates
-            else (),
-            drawn_trials=drawn,
-        )
-        report["trial_epsilon"] = trial_eps
-        if pipeline.total_epsilon is not None:
-            report["total_epsilon"] = pipeline.total_epsilon
-        reports[group] = report
-    return reports
-
-
-def privacy_summary_markdown(privacy: dict[str, Any]) -> str:
-    """The quoted epsilons as a Markdown table, for the parent run's description."""
-    lines = [
-        "| group | trials | per-trial eps | composition eps | quoted eps | covers |",
-        "|---|---|---|---|---|---|",
-    ]
-    for group, r in privacy.items():
-        lines.append(
-            f"| {group} | {r['num_trials']} (drawn {r['drawn_trials']}) | "
-            f"{r['trial_epsilon']:.3g} | {r['composition_epsilon']:.3g} | "
-            f"{r['quoted_epsilon']:.3g} | {r['release']} release; {r['records_covered']} |"
-        )
-    quotes = "\n".join(f"- **{group}**: {r['quote']}" for group, r in privacy.items())
-    return "\n".join(lines) + "\n\n" + quotes
-
-
-def _finalize(
-    pipeline: Pipeline, state: SweepState, tracker: Tracker, directory: Path, data, counts
-) -> pd.DataFrame:
-    trials = trials_table(tracker, state.parent_run_id)
-    if trials.empty:
-        raise DpivonError("the sweep recorded no trial; see the Ray logs above")
-    objectives = pipeline.objective_pairs
-    front = pareto_front(trials, objectives, by=("optimizer", "epsilon"))
-    front = _evaluate_front_on_test(front, data, tracker)
-    trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
-    trials.to_csv(directory / TRIALS_FILE, index=False)
-    front.to_csv(directory / FRONT_FILE, index=False)
-
-    parent = state.parent_run_id
-    modes = [mode for _, mode in objectives]
-    metrics: dict[str, float] = {}
-    for (optimizer, epsilon), group in front.groupby(["optimizer", "epsilon"]):
-        points = group[[metric for metric, _ in objectives]].to_numpy(dtype=float)
-        metrics[f"hypervolume.eps{epsilon:g}.{optimizer}"] = hypervolume_2d(points, modes)
-    status_counts = trials["status"].value_counts()
-    for status in ("completed", "early_stopped", "failed"):
-        metrics[f"trials_{status}"] = float(status_counts.get(status, 0))
-    privacy = _tuning_privacy(trials, pipeline, state, counts)
-    for group, report in privacy.items():
-        for key, value in report.items():
-            numeric = isinstance(value, float | int) and not isinstance(value, bool)
-            if numeric and np.isfinite(value):
-                metrics[f"tuning.{group}.{key}"] = float(value)
-    tracker.log_metrics(parent, metrics)
-    tracker.log_dict(parent, privacy, "tuning_privacy.json")
-    (directory / TUNING_FILE).write_text(json.dumps(privacy, indent=2))
-    tracker.set_tags(parent, {"mlflow.note.content": privacy_summary_markdown(privacy)})
-    tracker.log_artifact(parent, directory / TRIALS_FILE)
-    tracker.log_artifact(parent, directory / FRONT_FILE)
-    title = f"{pipeline.name}: Pareto fronts on validation"
-    plot_fronts_png(trials, objectives, directory / "pareto.png", title)
-    plot_fronts_html(trials, objectives, directory / "pareto.html", title)
-    tracker.log_artifact(parent, directory / "pareto.png")
-    tracker.log_artifact(parent, directory / "pareto.html")
-    print_front_table(front, objectives, ["test_accuracy", "test_ece", "test_nll"])
-    return trials
 
 
 def run_sweep(
@@ -511,56 +387,48 @@ def run_sweep(
     tracking_uri: str | None = None,
     resume: bool = False,
 ) -> pd.DataFrame:
-    """Run (or resume) the whole sweep; returns the table of trials."""
-    directory = sweep_directory(pipeline)
+    """Run (or resume) the whole sweep; returns the table of trials. Raises
+    :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
+    storage = sweep_storage(pipeline)
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
-    first_optimizer = next(iter(pipeline.spaces))
-    data = load_data(
-        parse_config(pipeline.base_train_config(first_optimizer, pipeline.epsilon_list[0]))
-    )
+    exists = storage.exists(STATE_FILE)
+    if exists and not resume:
+        raise DpivonError(
+            f"sweep {pipeline.name!r} already exists in {storage.uri}; pass --resume to "
+            "continue it, or change the pipeline's name (or delete that folder) to start over"
+        )
+    previous = SweepState.load(storage) if exists else None
+    if resume and previous is None:
+        console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
+    # Everything that can reject the sweep runs before its parent run is opened.
+    joined = _init_ray(address)
+    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
+    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
+    concurrency = pipeline.concurrency or slots
     counts = pipeline.trial_counts()
-    trial_epsilons = (
-        SweepState.load(directory).trial_epsilons
-        if resume and (directory / STATE_FILE).exists()
-        else solve_trial_epsilons(pipeline, counts)
-    )
-    state = _start_or_resume(pipeline, directory, tracker, resume, trial_epsilons)
-    # Restored Tune callbacks hold the redacted URI; they read the real one from here.
-    os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
-    console.print(
-        f"sweep {pipeline.name!r}: MLflow {tracker.display_uri}, experiment "
-        f"{state.experiment!r}, parent run {state.parent_run_id}; results in {directory}"
-    )
-    try:
-        _init_ray(address)
-        for epsilon in pipeline.epsilon_list:
-            for optimizer in pipeline.spaces:
-                group = group_name(optimizer, epsilon)
-                if group in state.groups_done:
-                    continue
-                if counts[(optimizer, epsilon)] == 0:
-                    console.print(f"[bold]{group}[/]: K = 0 trials drawn; the group runs none")
-                else:
-                    _run_group(
-                        pipeline,
-                        optimizer,
-                        epsilon,
-                        counts[(optimizer, epsilon)],
-                        data,
-                        state,
-                        directory,
-                        resume,
-                        tracker.tracking_uri,
-                    )
-                state.groups_done.append(group)
-                state.save(directory)
-        trials = _finalize(pipeline, state, tracker, directory, data, counts)
-    except KeyboardInterrupt:
-        tracker.end_run(state.parent_run_id, "KILLED")
-        raise
-    except BaseException as err:
-        tracker.set_tags(state.parent_run_id, {"error": f"{type(err).__name__}: {err}"[:5000]})
-        tracker.end_run(state.parent_run_id, "FAILED")
-        raise
-    tracker.end_run(state.parent_run_id, "FINISHED")
-    return trials
+    trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
+    groups = sweep_groups(pipeline, trial_epsilons, counts)
+    tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
+    with _StopOnSignals() as stop:
+        data = load_data(parse_config(groups[0].base_config))
+        resumed = previous.parent_run_id if previous else None
+        with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
+            state = previous or _record_new_sweep(pipeline, storage, tracker, parent,
+                                                  trial_epsilons)
+            # Restored Tune callbacks hold the redacted URI; they read the real one from here.
+            os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
+            console.print(
+                f"sweep {pipeline.name!r}{' (resumed)' if previous else ''}: MLflow "
+                f"{tracker.display_uri}, experiment {state.experiment!r}, parent run "
+                f"{parent}; results in {storage.uri}"
+            )
+            try:
+                _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
+                            concurrency, stop)
+                if stop.received is not None:
+                    raise SweepInterrupted(stop.received)
+            except SweepInterrupted:
+                _kill_open_trials(tracker, parent)
+                raise
+            return report_sweep(pipeline, tracker, parent, trial_epsilons, counts, data,
+                                storage)

@@ -1,0 +1,361 @@
+"""The groups of a sweep, every one with its own study, in ONE Tune experiment.
+
+A group is one (optimizer, epsilon) pair: its own search space, trial count, Optuna study
+and, with ASHA, its own scheduler. Tune runs one experiment for all of them, so trials of
+every group share the cluster (the sweep-wide ``concurrency``) instead of one group at a
+time:
+
+- :class:`GroupSearcher` multiplexes the groups' studies: each suggestion comes from one
+  group and carries it in the trial's config (``GROUP_KEY``); results go back to it only.
+- :class:`GroupScheduler` keeps one scheduler per group: ASHA never compares trials of
+  different optimizers or epsilons.
+- :class:`GroupCallbacks` hands each group's callbacks (its MLflow logger, its progress
+  line) the events of its own trials, seen with their search parameters only.
+- :func:`run_group_trial` is the trainable: one trial of the group its config names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from ray import tune
+from ray.tune.callback import CallbackList
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
+from ray.tune.search import Searcher
+from ray.tune.search.optuna import OptunaSearch
+
+from dpivon.data import DataSplits
+from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
+from dpivon.search.pipeline import Pipeline, Resources
+from dpivon.search.results import GROUP_TAG, group_name
+from dpivon.search.space import SearchSpace
+from dpivon.search.storage import SweepStorage
+from dpivon.search.trial import COMPLETE, DIVERGED, run_trial
+
+GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
+
+
+@dataclass(frozen=True)
+class SweepGroup:
+    """One (optimizer, epsilon) group: its own trials, settings, search space and study."""
+
+    name: str
+    optimizer: str
+    epsilon: float  # the group's budget (names it)
+    trials: int  # drawn for this group
+    base_config: dict[str, Any]  # what each trial starts from (with the epsilon it spends)
+    space: SearchSpace
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {
+            GROUP_TAG: self.name,
+            "dpivon.optimizer": self.optimizer,
+            "dpivon.epsilon": f"{self.epsilon:g}",
+        }
+
+
+def sweep_groups(
+    pipeline: Pipeline, trial_epsilons: dict[str, float], counts: dict[tuple[str, float], int]
+) -> list[SweepGroup]:
+    """The pipeline's groups, epsilon by epsilon in the listed orders."""
+    groups = []
+    for epsilon in pipeline.epsilon_list:
+        for optimizer in pipeline.optimizer_names:
+            name = group_name(optimizer, epsilon)
+            base = pipeline.base_train_config(optimizer, epsilon, trial_epsilons[name])
+            groups.append(
+                SweepGroup(
+                    name,
+                    optimizer,
+                    epsilon,
+                    counts[(optimizer, epsilon)],
+                    base,
+                    pipeline.spaces[optimizer],
+                )
+            )
+    return groups
+
+
+def search_params(config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's config without its group key: what its group's search space drew."""
+    return {k: v for k, v in config.items() if k != GROUP_KEY}
+
+
+def run_group_trial(
+    config: dict[str, Any],
+    *,
+    data: DataSplits,
+    groups: dict[str, tuple[dict[str, Any], SearchSpace]],
+    threads: int,
+) -> None:
+    """The sweep's trainable: one trial of the group its config names."""
+    base_config, space = groups[config[GROUP_KEY]]
+    run_trial(
+        search_params(config), data=data, base_config=base_config, space=space, threads=threads
+    )
+
+
+class CompletionAwareOptunaSearch(OptunaSearch):
+    """Tells Optuna that an ASHA-stopped trial was PRUNED, not COMPLETE with its last
+    (partially trained) values, so early-stopped trials never steer the search as
+    finished points of the front."""
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        if result is not None and not result.get(COMPLETE):
+            error = error or bool(result.get(DIVERGED))  # FAILED to Optuna, not PRUNED
+            result = None
+        super().on_trial_complete(trial_id, result=result, error=error)
+
+
+class GroupSearcher(Searcher):
+    """Every group's own study behind one Tune searcher.
+
+    Each suggestion comes from the group with the fewest trials in flight (then the fewest
+    suggested) that has trials left, and carries that group in its config; results go back
+    to that group's study only. Saved and restored whole with the Tune experiment.
+    """
+
+    def __init__(self, studies: dict[str, Searcher], trials: dict[str, int]):
+        super().__init__()
+        self.studies, self.trials = studies, trials  # not `searcher`: Tune unwraps that name
+        self.suggested = dict.fromkeys(studies, 0)
+        self.in_flight = dict.fromkeys(studies, 0)
+        self.group_of: dict[str, str] = {}  # Tune trial id -> group
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        return True  # each study has its own metrics, modes and space
+
+    def suggest(self, trial_id: str) -> dict | str | None:
+        open_groups = [g for g in self.studies if self.suggested[g] < self.trials[g]]
+        if not open_groups:
+            return Searcher.FINISHED
+        group = min(open_groups, key=lambda g: (self.in_flight[g], self.suggested[g]))
+        config = self.studies[group].suggest(trial_id)
+        if config is None or config == Searcher.FINISHED:
+            return None
+        self.group_of[trial_id] = group
+        self.suggested[group] += 1
+        self.in_flight[group] += 1
+        return {**config, GROUP_KEY: group}
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self.studies[self.group_of[trial_id]].on_trial_result(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        group = self.group_of[trial_id]
+        self.in_flight[group] -= 1
+        self.studies[group].on_trial_complete(trial_id, result=result, error=error)
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+class GroupScheduler(FIFOScheduler):
+    """One scheduler per group: ASHA compares a trial only with trials of its own optimizer
+    and epsilon, never across groups. Trials start in submission order."""
+
+    def __init__(self, schedulers: dict[str, TrialScheduler]):
+        super().__init__()
+        self.schedulers = schedulers
+
+    def set_search_properties(self, metric, mode, **spec) -> bool:
+        return True  # each group's scheduler has its own metric and mode
+
+    def _of(self, trial) -> TrialScheduler:
+        return self.schedulers[trial.config[GROUP_KEY]]
+
+    def on_trial_add(self, tune_controller, trial) -> None:
+        self._of(trial).on_trial_add(tune_controller, trial)
+
+    def on_trial_error(self, tune_controller, trial) -> None:
+        self._of(trial).on_trial_error(tune_controller, trial)
+
+    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+        return self._of(trial).on_trial_result(tune_controller, trial, result)
+
+    def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
+        self._of(trial).on_trial_complete(tune_controller, trial, result)
+
+    def on_trial_remove(self, tune_controller, trial) -> None:
+        self._of(trial).on_trial_remove(tune_controller, trial)
+
+    def debug_string(self) -> str:
+        return "\n".join(f"{g}: {s.debug_string()}" for g, s in self.schedulers.items())
+
+
+class _GroupTrial:
+    """A trial as its group's callbacks see it: its config without the group key."""
+
+    def __init__(self, trial):
+        self._trial, self.config = trial, search_params(trial.config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trial, name)
+
+
+class GroupCallbacks(tune.Callback):
+    """Each group's callbacks (its MLflow logger, its progress line) get its trials' events
+    only; experiment-wide events go to all of them."""
+
+    IS_CALLBACK_CONTAINER = True  # Tune then checks that every hook below is forwarded
+
+    def __init__(self, callbacks: dict[str, list[tune.Callback]]):
+        self.groups = {group: CallbackList(cbs) for group, cbs in callbacks.items()}
+
+    def _all(self, hook: str, info: dict[str, Any]) -> None:
+        for callbacks in self.groups.values():
+            getattr(callbacks, hook)(**info)
+
+    def _one(self, hook: str, info: dict[str, Any]) -> None:
+        trial = info["trial"]
+        callbacks = self.groups[trial.config[GROUP_KEY]]
+        getattr(callbacks, hook)(**{**info, "trial": _GroupTrial(trial)})
+
+    def setup(self, **info):
+        self._all("setup", info)
+
+    def on_step_begin(self, **info):
+        self._all("on_step_begin", info)
+
+    def on_step_end(self, **info):
+        self._all("on_step_end", info)
+
+    def on_experiment_end(self, **info):
+        self._all("on_experiment_end", info)
+
+    def on_trial_start(self, **info):
+        self._one("on_trial_start", info)
+
+    def on_trial_restore(self, **info):
+        self._one("on_trial_restore", info)
+
+    def on_trial_save(self, **info):
+        self._one("on_trial_save", info)
+
+    def on_trial_result(self, **info):
+        self._one("on_trial_result", info)
+
+    def on_trial_complete(self, **info):
+        self._one("on_trial_complete", info)
+
+    def on_trial_recover(self, **info):
+        self._one("on_trial_recover", info)
+
+    def on_trial_error(self, **info):
+        self._one("on_trial_error", info)
+
+    def on_checkpoint(self, **info):
+        self._one("on_checkpoint", info)
+
+    def get_state(self) -> dict:
+        return {group: callbacks.get_state() for group, callbacks in self.groups.items()}
+
+    def set_state(self, state: dict) -> None:
+        for group, group_state in state.items():
+            if group_state:
+                self.groups[group].set_state(group_state)
+
+
+def _sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
+    samplers = {
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
+        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
+        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+    }
+    return samplers[name]()
+
+
+def group_trainable(
+    groups: list[SweepGroup], data: DataSplits, resources: Resources
+) -> Callable[..., None]:
+    """The sweep's Tune trainable: :func:`run_group_trial` with the data and each group's
+    settings in Ray's object store, and one trial's resource request."""
+    return tune.with_resources(
+        tune.with_parameters(
+            run_group_trial,
+            data=data,
+            groups={g.name: (g.base_config, g.space) for g in groups},
+            threads=max(1, int(resources.cpu)),
+        ),
+        {"cpu": resources.cpu, "gpu": resources.gpu},
+    )
+
+
+def group_tuner(
+    pipeline: Pipeline,
+    groups: list[SweepGroup],
+    trainable: Callable[..., None],
+    run_config: tune.RunConfig,
+    storage: SweepStorage,
+    *,
+    concurrency: int,
+    tracking_uri: str,
+    experiment: str,
+    parent_run_id: str,
+) -> tune.Tuner:
+    """A new Tune experiment of every group's trials: their studies behind one
+    :class:`GroupSearcher`, at most ``concurrency`` trials in flight sweep-wide,
+    one ASHA per group, each group's MLflow logger (checkpoints tagged as locations on
+    ``storage``) and progress line."""
+    (first_metric, first_mode), (second_metric, second_mode) = pipeline.objective_pairs
+    studies = {
+        g.name: CompletionAwareOptunaSearch(
+            space=g.space.define_by_run,
+            metric=[first_metric, second_metric],
+            mode=[first_mode, second_mode],
+            sampler=_sampler(pipeline.sampler, pipeline.seed),
+        )
+        for g in groups
+    }
+    scheduler = None
+    if pipeline.scheduler.type == "asha":
+        scheduler = GroupScheduler(
+            {
+                g.name: ASHAScheduler(
+                    metric=first_metric,
+                    mode=first_mode,
+                    time_attr="training_iteration",
+                    max_t=pipeline.epochs,
+                    grace_period=pipeline.scheduler.grace_period,
+                    reduction_factor=pipeline.scheduler.reduction_factor,
+                )
+                for g in groups
+            }
+        )
+    callbacks = GroupCallbacks(
+        {
+            g.name: [
+                MlflowTrialLogger(
+                    tracking_uri, experiment, parent_run_id, g.base_config, g.space, g.tags, storage
+                ),
+                SweepProgress(g.name, g.trials, first_metric, first_mode),
+            ]
+            for g in groups
+        }
+    )
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=GroupSearcher(studies, {g.name: g.trials for g in groups}),
+            scheduler=scheduler,
+            num_samples=sum(g.trials for g in groups),
+            max_concurrent_trials=concurrency,  # sweep-wide: a ConcurrencyLimiter
+            # A finished trial's worker runs the next one: a new worker process would import
+            # torch and dpivon again while its slot stays reserved and idle.
+            reuse_actors=True,
+        ),
+        run_config=dataclasses.replace(
+            run_config, callbacks=[*(run_config.callbacks or []), callbacks]
+        ),
+    )

@@ -1,0 +1,88 @@
+"""A sweep's record in MLflow, read back: its groups, its trials' outcomes, the trials table.
+
+The driver writes one child run per trial under the sweep's parent run
+(dpivon.search.callbacks), tagged with its group, trial id and outcome. That record survives
+resumes, so the final report and the trials table are built from it, not from Tune's files.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import pandas as pd
+from mlflow.entities import Run
+
+from dpivon.tracking import Tracker
+
+TRIAL_TAG = "dpivon.trial_id"
+STATUS_TAG = "dpivon.trial_status"
+CHECKPOINT_TAG = "dpivon.checkpoint"
+GROUP_TAG = "dpivon.group"
+_PAGE = 1000  # child runs per MLflow query page
+
+
+class TrialStatus(StrEnum):
+    """What became of a trial: its run's STATUS_TAG and the trials table's ``status``."""
+
+    RUNNING = "running"  # in flight, or interrupted with the driver (a resume finishes it)
+    COMPLETED = "completed"  # trained every epoch: the only outcome eligible for a front
+    EARLY_STOPPED = "early_stopped"  # stopped by ASHA on a shorter run
+    DIVERGED = "diverged"  # training produced non-finite values
+    FAILED = "failed"
+
+
+def group_name(optimizer: str, epsilon: float) -> str:
+    """The key of one (optimizer, epsilon) group: its study, MLflow tag, report entries."""
+    return f"eps{epsilon:g}-{optimizer}"
+
+
+def child_runs(tracker: Tracker, parent_run_id: str) -> list[Run]:
+    """Every child run of the parent run (one per trial), all pages of the query."""
+    runs: list[Run] = []
+    token = None
+    while True:
+        page = tracker.client.search_runs(
+            [tracker.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+            max_results=_PAGE,
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def trial_status(run: Run) -> TrialStatus:
+    """A run's outcome for the report: untagged, still running once the sweep is over, or
+    ended FAILED without a diagnosis (an errored trial, a lost driver) counts as failed."""
+    try:
+        status = TrialStatus(run.data.tags.get(STATUS_TAG, ""))
+    except ValueError:
+        return TrialStatus.FAILED
+    if status is TrialStatus.RUNNING or (
+        run.info.status == "FAILED" and status is not TrialStatus.DIVERGED
+    ):
+        return TrialStatus.FAILED
+    return status
+
+
+def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
+    """One row per trial: ids, group, outcome, checkpoint, ``param.*`` and last metrics."""
+    rows = []
+    for run in child_runs(tracker, parent_run_id):
+        tags, params = run.data.tags, run.data.params
+        rows.append(
+            {
+                "trial_id": tags.get(TRIAL_TAG),
+                "run_id": run.info.run_id,
+                "group": tags.get(GROUP_TAG),
+                "optimizer": params.get("optimizer"),
+                "epsilon": float(params.get("epsilon", "nan")),
+                "status": trial_status(run).value,
+                "checkpoint": tags.get(CHECKPOINT_TAG),
+                **{f"param.{k}": v for k, v in params.items()},
+                **run.data.metrics,
+            }
+        )
+    return pd.DataFrame(rows)
