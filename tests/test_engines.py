@@ -319,7 +319,7 @@ def test_cli_engine_hooks_and_the_default_train_the_same_model(tmp_path):
     config = parse_config(SHORT_RUN)
     data = load_data(config)
     default = train(config, data=data, evaluate_test=False)
-    hooks = train(config.model_copy(update={"engine": "hooks"}), data=data, evaluate_test=False)
+    hooks = train(config.replace(engine="hooks"), data=data, evaluate_test=False)
     assert (default.engine, hooks.engine) == ("bk", "hooks")
     assert default.summary()["engine"] == "bk"
     a, b = (
