@@ -17,9 +17,9 @@ import importlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from dpivon.constraints import Bool, Count, NonNegativeFloat, PositiveFloat, Rate
 
@@ -226,10 +226,18 @@ OPTION_NAMES = tuple(
 
 def optimizer_spec(name: Any) -> OptimizerSpec:
     if not isinstance(name, str) or name not in OPTIMIZERS:
-        raise ValueError(
-            f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
-        )
+        raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}")
     return OPTIMIZERS[name]
+
+
+def known_optimizer(name: Any) -> str:
+    """``name`` when an optimizer is registered under it (else the ValueError naming the
+    choices): the check of every file that names an optimizer."""
+    optimizer_spec(name)
+    return name
+
+
+OptimizerName = Annotated[str, AfterValidator(known_optimizer)]
 
 
 def optimizer_options(values: Mapping[str, Any]) -> OptimizerOptions:

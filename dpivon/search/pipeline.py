@@ -77,7 +77,6 @@ from pydantic import (
 from dpivon.config import (
     CIFAR10_TRAIN_IMAGES,
     FLAT_KEYS,
-    OPTIMIZER_NAMES,
     DataConfig,
     ModelConfig,
     TrainConfig,
@@ -88,6 +87,7 @@ from dpivon.config import (
 )
 from dpivon.constraints import Count, Float, Int, Probability
 from dpivon.errors import DpivonError
+from dpivon.optim.registry import OptimizerName
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -152,19 +152,10 @@ def _model_shorthand(value: Any) -> Any:
 
 
 class OptimizerEntry(_Strict):
-    name: str
+    name: OptimizerName
     space: str = Field(min_length=1)
     # fixed keys for this optimizer only
     train: Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "pipeline"))] = {}
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        if name not in OPTIMIZER_NAMES:
-            raise ValueError(
-                f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
-            )
-        return name
 
 
 class Resources(_Strict):
@@ -215,7 +206,8 @@ class Objective(_Strict):
         return self
 
 
-def _as_list(value: Any) -> Any:
+def as_list(value: Any) -> Any:
+    """A scalar as a one-item list (``epsilons: 8``)."""
     return value if isinstance(value, list) else [value]
 
 
@@ -306,7 +298,7 @@ class Pipeline(RunFile):
     kind: ClassVar[str] = "sweep"
     noun: ClassVar[str] = "pipeline"
 
-    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)] | None = None
+    epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)] | None = None
     # The budget of each group's release instead of each trial's: dpivon solves the per-trial
     # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
     total_epsilon: Float | None = None

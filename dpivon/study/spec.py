@@ -57,7 +57,6 @@ from pydantic import (
 )
 
 from dpivon.config import (
-    OPTIMIZER_NAMES,
     TrainConfig,
     format_validation_error,
     parse_config,
@@ -65,7 +64,8 @@ from dpivon.config import (
 )
 from dpivon.constraints import Float, Int
 from dpivon.errors import DpivonError
-from dpivon.search.pipeline import RunFile, train_extras
+from dpivon.optim.registry import OptimizerName
+from dpivon.search.pipeline import RunFile, as_list, train_extras
 from dpivon.search.trial import trial_seed
 
 if TYPE_CHECKING:
@@ -74,10 +74,6 @@ if TYPE_CHECKING:
 MIN_SEEDS = 3
 PICKS = ("knee", "max-accuracy", "min-ece")
 _METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
-
-
-def _as_list(value: Any) -> Any:
-    return value if isinstance(value, list) else [value]
 
 
 TrainExtras = Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "benchmark"))]
@@ -91,19 +87,10 @@ class Method(_Strict):
     """One compared method: an optimizer with fixed settings, or a sweep's pick."""
 
     name: str
-    optimizer: str
+    optimizer: OptimizerName
     from_sweep: str | None = None
     pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
     train: TrainExtras = Field(default_factory=dict)
-
-    @field_validator("optimizer")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        if name not in OPTIMIZER_NAMES:
-            raise ValueError(
-                f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}"
-            )
-        return name
 
 
 @dataclass(frozen=True)
@@ -135,8 +122,8 @@ class BenchmarkPipeline(RunFile):
     kind: ClassVar[str] = "benchmark"
     noun: ClassVar[str] = "benchmark"
 
-    epsilons: Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
-    seeds: Annotated[list[Int], BeforeValidator(_as_list)]
+    epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)]
+    seeds: Annotated[list[Int], BeforeValidator(as_list)]
     split_seed: Annotated[Int, Field(ge=0)] = 0
     methods: list[Method] = Field(min_length=1)
     concurrency: Annotated[Int, Field(ge=1)] = 2
