@@ -243,8 +243,8 @@ def parent_description(
         "|---|---|---|---|---|---|",
         *(
             f"| {group} | {_trials_cell(r)} | {r['trial_epsilon']:.3g} | "
-            f"{r.get('composition_epsilon', math.nan):.3g} | {r['quoted_epsilon']:.3g} | "
-            f"{r['release']} release; {r['records_covered']} |"
+            f"{format(r['composition_epsilon'], '.3g') if 'composition_epsilon' in r else '-'} "
+            f"| {r['quoted_epsilon']:.3g} | {r['release']} release; {r['records_covered']} |"
             for group, r in privacy.items()
         ),
         "",
