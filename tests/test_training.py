@@ -273,26 +273,31 @@ def test_what_cannot_be_private_is_refused_before_anything_starts(tmp_path, flag
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def _logged_run(tmp_path):
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
-    return run
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One MLflow store for the runs below: its migrations cost more than a tiny run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
 
 
-def test_a_non_private_run_is_logged_at_epsilon_inf(tmp_path):
-    result = cli("train", *small_flags(tmp_path), *TINY, "--optimizer", "sgd", "--no-log-model")
+def _train(tmp_path, store: str, *flags: str):
+    """`dpivon train` on tiny data into ``store``; its exit code and its logged run."""
+    out = tmp_path / "out.json"
+    result = cli("train", *small_flags(tmp_path)[:-2], *TINY, *flags, "--no-log-model",
+                 "--tracking-uri", store, "--json", str(out))  # fmt: skip
     assert result.exit_code == 0, result.output
-    run = _logged_run(tmp_path)
+    run_id = json.loads(out.read_text())["mlflow_run_id"]
+    return result, mlflow.MlflowClient(store).get_run(run_id)
+
+
+def test_a_non_private_run_is_logged_at_epsilon_inf(tmp_path, store):
+    _, run = _train(tmp_path, store, "--optimizer", "sgd")
     assert run.data.params["epsilon"] == "inf" and run.info.run_name == "sgd-epsinf"
 
 
 @pytest.mark.parametrize("asked", [False, True])
-def test_a_private_run_logs_its_raw_training_loss_only_when_asked(tmp_path, asked):
+def test_a_private_run_logs_its_raw_training_loss_only_when_asked(tmp_path, store, asked):
     flags = ["--log-train-loss"] if asked else []
-    flags += ["--optimizer", "dp-sgd", "--no-log-model"]
-    result = cli("train", *small_flags(tmp_path), *TINY, *flags)
-    assert result.exit_code == 0, result.output
-    run = _logged_run(tmp_path)
+    result, run = _train(tmp_path, store, "--optimizer", "dp-sgd", *flags)
     assert ("train_loss" in run.data.metrics) == asked
     assert ("dpivon.not_covered" in run.data.tags) == asked
     assert ("train_loss=" in result.output) == asked
