@@ -24,7 +24,8 @@ shown or described)::
       - {name: dp-ivon-gradsq, space: ../search_spaces/quickstart/dp-ivon-gradsq.yaml}
       - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
     trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
-    trial_count: fixed               # fixed | poisson | geometric (see trial_counts)
+    trial_count: fixed               # fixed | poisson | geometric: drawn from OS entropy,
+                                     # kept private (see trial_counts)
     # best_by: val_accuracy          # release: best only: the one metric (an objective)
     #                                # that picks the released model; default the first
     concurrency: 2                   # trials in flight sweep-wide, >= 1; null: all resources allow
@@ -34,7 +35,8 @@ shown or described)::
       - {metric: val_accuracy, mode: max}
       - {metric: val_ece, mode: min}
     sampler: tpe                     # tpe | nsga2 | random
-    seed: 0                          # data split, training and Optuna seed; >= 0
+    seed: 0                          # data split, training and Optuna seed; >= 0 (not the
+                                     # random sampler's where the random-trials bound holds)
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
