@@ -417,7 +417,10 @@ def pareto(
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
-    extra = [
+    # the group's budget is the front's `epsilon`; under total_epsilon a trial spent less
+    spent = "trial_epsilon" in front and (front["trial_epsilon"] != front["epsilon"]).any()
+    extra = ["trial_epsilon"] if spent else []
+    extra += [
         c
         for c in (
             "test_accuracy",

@@ -261,6 +261,7 @@ def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
     )
     result = runner.invoke(app, ["pareto", str(folder), "--out", str(tmp_path / "f.png")])
     assert result.exit_code == 0, result.output
+    assert "trial_epsilon" in result.output  # the budget, and what the trials spent
     # export --epsilon takes the budget; the default pick is the release's own.
     exported = tmp_path / "best.yaml"
     result = runner.invoke(app, ["export", str(folder), "--epsilon", "8", "--out", str(exported)])
