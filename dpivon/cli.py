@@ -188,6 +188,12 @@ EPOCH_LINE = (
 
 
 Opt = Annotated
+# The tag that marks a private run's metrics its epsilon does not cover (--log-train-loss)
+NOT_COVERED_TAG = "dpivon.not_covered"
+NOT_COVERED_NOTE = (
+    "--log-train-loss: the raw training loss is logged; it is computed on the raw batches, "
+    "so the run's epsilon does not cover it (tagged dpivon.not_covered)"
+)
 
 
 def check_outputs(json_path: Path | None, experiment: str) -> None:
@@ -236,10 +242,14 @@ def train(
     ] = None,
     experiment: Opt[str, typer.Option(help="MLflow experiment")] = "dpivon",
     log_model: Opt[bool, typer.Option(help="log the model (with posterior) to MLflow")] = True,
+    log_train_loss: Opt[
+        bool,
+        typer.Option(help="log a private run's raw training loss too (not covered by its epsilon)"),
+    ] = False,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import check_fits, load_data
+    from dpivon.training import NOT_COVERED_METRICS, check_fits, load_data, released_metrics
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -248,12 +258,6 @@ def train(
         if config is not None
         else [parse_config(overrides, source="options")]
     )
-    epsilon = overrides.get("epsilon")
-    for cfg in configs:
-        if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
-            console.print(
-                f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
-            )
     check_outputs(json_path, experiment)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
@@ -263,15 +267,20 @@ def train(
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
-        with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
+        tags = {"dpivon.kind": "train"}
+        if cfg.is_private and log_train_loss:
+            tags[NOT_COVERED_TAG] = ", ".join(NOT_COVERED_METRICS)
+            console.print(f"[yellow]note:[/] {NOT_COVERED_NOTE}", highlight=False)
+        with tracker.run(name, tags=tags) as run_id:
             tracker.log_params(run_id, cfg.flat())
             tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
 
-            def log_epoch(report, run_id=run_id, epochs=cfg.training.epochs) -> None:
-                tracker.log_metrics(run_id, report.metrics, step=report.epoch)
-                shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
+            def log_epoch(report, run_id=run_id, cfg=cfg) -> None:
+                metrics = released_metrics(cfg, report.metrics, train_loss=log_train_loss)
+                tracker.log_metrics(run_id, metrics, step=report.epoch)
+                shown = {k: metrics[k] for k in EPOCH_LINE if k in metrics}
                 console.print(
-                    f"epoch {report.epoch}/{epochs} "
+                    f"epoch {report.epoch}/{cfg.training.epochs} "
                     + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
                     highlight=False,
                 )
@@ -338,9 +347,10 @@ def sweep(
             highlight=False,
         )
         raise typer.Exit(stop.exit_code) from None
-    counts = trials["status"].value_counts().to_dict()
+    # a trial count the random-trials bound keeps private is not printed either
+    counts = "" if loaded.hides_trial_count else f": {trials['status'].value_counts().to_dict()}"
     console.print(
-        f"sweep {loaded.name!r} finished: {counts}; results in "
+        f"sweep {loaded.name!r} finished{counts}; results in "
         f"{sweep_storage(loaded).uri}; open the MLflow UI with `make ui`"
     )
 
@@ -407,7 +417,10 @@ def pareto(
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
-    extra = [
+    # the group's budget is the front's `epsilon`; under total_epsilon a trial spent less
+    spent = "trial_epsilon" in front and (front["trial_epsilon"] != front["epsilon"]).any()
+    extra = ["trial_epsilon"] if spent else []
+    extra += [
         c
         for c in (
             "test_accuracy",
@@ -435,7 +448,13 @@ def export(
         str, typer.Argument(metavar="SWEEP", help="sweep folder or URI, pipeline file or name")
     ],
     out: Opt[Path, typer.Option(help="YAML file for `dpivon train --config`")],
-    pick: Opt[str, typer.Option(help="knee, max-accuracy, min-ece or pareto")] = "knee",
+    pick: Opt[
+        str | None,
+        typer.Option(
+            help="knee, max-accuracy, min-ece or pareto [default: the sweep's release pick "
+            "(release: best), else knee]"
+        ),
+    ] = None,
     optimizer: Opt[str | None, typer.Option(help="only this optimizer's front")] = None,
     epsilon: Opt[float | None, typer.Option(help="only this epsilon's front")] = None,
     epochs: Opt[int | None, typer.Option(help="production epochs (default: the sweep's)")] = None,
@@ -446,11 +465,15 @@ def export(
     ] = True,
 ) -> None:
     """Write the chosen Pareto-optimal configurations as production training configs."""
-    from dpivon.search.export import export_configs, resolve_sweep, write_configs
+    from dpivon.search.export import departure, export_configs, resolve_sweep, write_configs
     from dpivon.search.sweep import SweepState
 
     directory = resolve_sweep(sweep_ref)
-    objectives = SweepState.load(directory).objectives
+    state = SweepState.load(directory)
+    objectives = state.objectives
+    if (note := departure(directory, pick)) is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    pick = pick or state.release_pick or "knee"
     picked = export_configs(
         directory,
         objectives,

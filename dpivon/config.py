@@ -34,10 +34,10 @@ from dpivon.constraints import (
     Bool,
     Bound,
     Count,
+    FinitePositiveFloat,
     Float,
     Int,
     NonNegativeFloat,
-    PositiveFloat,
     Probability,
 )
 from dpivon.errors import DpivonError
@@ -165,7 +165,7 @@ class PrivacyConfig(Section):
 
     epsilon: Annotated[Float, Bound(gt=0)] = 8.0  # inf: no noise
     delta: Probability = 1e-5
-    max_grad_norm: PositiveFloat = 1.0  # the per-example clip norm C
+    max_grad_norm: FinitePositiveFloat = 1.0  # the per-example clip norm C
     accountant: Literal["rdp", "prv"] = "rdp"
     # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
     # (book-keeping) where it is exact for the model and one MC sample, else Opacus hooks.
@@ -238,6 +238,20 @@ def _retired(key: Any, value: Any) -> bool:
         value is old or (type(value) is type(old) and value == old)
         for old in _RETIRED_FLAT_VALUES.get(key, (None,) if key in OPTION_NAMES else ())
     )
+
+
+def _no_budget_without_noise(optimizer: str, privacy: Any) -> None:
+    """A non-private optimizer's epsilon is inf (what it spends); a finite one would be
+    logged and quoted as a budget that no noise backs, so it is an error."""
+    if not isinstance(privacy, dict):
+        return  # validation says it is no mapping
+    epsilon = privacy.setdefault("epsilon", math.inf)
+    number = isinstance(epsilon, int | float) and not isinstance(epsilon, bool)
+    if number and math.isfinite(epsilon):
+        raise ValueError(
+            f"{optimizer} is not private (it adds no noise), so epsilon {epsilon:g} would be "
+            "a claim nothing backs; omit epsilon (it is inf) or use a private optimizer (dp-...)"
+        )
 
 
 def config_key(name: str) -> str:
@@ -336,6 +350,8 @@ class TrainConfig(BaseModel):
             tree["optimizer"] = {
                 k: v for k, v in options.items() if k in fields or not _retired(k, v)
             }
+            if spec is not None and not spec.private:
+                _no_budget_without_noise(name, tree.setdefault("privacy", {}))
         return tree
 
     @field_validator("optimizer", mode="before")

@@ -68,6 +68,9 @@ Float = StrictFloat
 Int = StrictInt
 Bool = StrictBool
 PositiveFloat = Annotated[StrictFloat, Bound(gt=0)]
+# A clip norm or a learning rate: inf would mean no clipping (unbounded sensitivity) or a
+# step that diverges at once, so neither can train a private model.
+FinitePositiveFloat = Annotated[StrictFloat, Bound(gt=0, lt=math.inf, shown="finite and > 0")]
 NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]

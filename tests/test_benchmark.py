@@ -212,7 +212,7 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "train": {"lr": -1}}]},
-            "lr must be > 0",
+            "lr must be finite and > 0",
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "from_sweep": "nowhere"}]},
@@ -227,6 +227,16 @@ def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: invalid benchmark")
     assert message in result.output
+
+
+def test_a_non_private_method_runs_at_eps_inf_only(tmp_path):
+    """sgd spends no budget: its runs are labelled inf, never epsilon 8."""
+    methods = [{"name": "sgd", "optimizer": "sgd"}, {"name": "dp-sgd", "optimizer": "dp-sgd"}]
+    pipeline = load_benchmark(write_benchmark(tmp_path, methods=methods, epsilons=[8]))
+    sgd = [r for r in pipeline.runs if r.method == "sgd"]
+    assert len(sgd) == 3 and {r.epsilon for r in sgd} == {math.inf}
+    assert {r.config.privacy.epsilon for r in sgd} == {math.inf}
+    assert {r.epsilon for r in pipeline.runs if r.method == "dp-sgd"} == {8.0}
 
 
 def fake_sweep(tmp_path, name: str, trials_per_group: int, lr: float):

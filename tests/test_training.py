@@ -16,7 +16,7 @@ from dpivon import training
 from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
 from dpivon.errors import DpivonError
-from dpivon.training import load_data, train
+from dpivon.training import TrainingDiverged, load_data, train
 
 SMALL = {
     "dataset": "synthetic",
@@ -45,6 +45,8 @@ REQUIRED_KEYS = {
     "mlflow_run_id",
 }
 runner = CliRunner()
+# one epoch on 180 synthetic images: seconds
+TINY = ["--epochs", "1", "--set", "synthetic_size=200"]
 
 
 def cli(*args: str):
@@ -253,20 +255,63 @@ def test_unreachable_tracking_server(tmp_path):
     assert "cannot reach the MLflow tracking server" in result.output
 
 
-def test_non_private_optimizer_rejects_nothing_but_says_so(tmp_path):
-    result = cli(
-        "train",
-        *small_flags(tmp_path),
-        "--optimizer",
-        "sgd",
-        "--epsilon",
-        "8",
-        "--epochs",
-        "1",
-        "--no-log-model",
-    )
-    assert result.exit_code == 0
-    assert "not private" in result.output
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--optimizer", "sgd", "--epsilon", "8"], "sgd is not private"),
+        (["--max-grad-norm", "inf"], "max_grad_norm must be finite and > 0, got inf"),
+        (["--lr", "inf"], "lr must be finite and > 0, got inf"),
+    ],
+)
+def test_what_cannot_be_private_is_refused_before_anything_starts(tmp_path, flags, expected):
+    """No clipping (unbounded sensitivity), an infinite step, or a budget without noise:
+    one line, exit 2, and no MLflow store is even created."""
+    result = cli("train", *small_flags(tmp_path), *flags)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One MLflow store for the runs below: its migrations cost more than a tiny run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+
+
+def _train(tmp_path, store: str, *flags: str):
+    """`dpivon train` on tiny data into ``store``; its exit code and its logged run."""
+    out = tmp_path / "out.json"
+    result = cli("train", *small_flags(tmp_path)[:-2], *TINY, *flags, "--no-log-model",
+                 "--tracking-uri", store, "--json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(out.read_text())["mlflow_run_id"]
+    return result, mlflow.MlflowClient(store).get_run(run_id)
+
+
+def test_a_non_private_run_is_logged_at_epsilon_inf(tmp_path, store):
+    _, run = _train(tmp_path, store, "--optimizer", "sgd")
+    assert run.data.params["epsilon"] == "inf" and run.info.run_name == "sgd-epsinf"
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_private_run_logs_its_raw_training_loss_only_when_asked(tmp_path, store, asked):
+    flags = ["--log-train-loss"] if asked else []
+    result, run = _train(tmp_path, store, "--optimizer", "dp-sgd", *flags)
+    assert ("train_loss" in run.data.metrics) == asked
+    assert ("dpivon.not_covered" in run.data.tags) == asked
+    assert ("train_loss=" in result.output) == asked
+    assert ("does not cover it" in result.output) == asked
+
+
+def test_divergence_is_seen_in_the_parameters_not_the_raw_loss():
+    config = parse_config(
+        {"dataset": "synthetic", "synthetic_size": 200, "model": "small-cnn",
+         "optimizer": "dp-sgd", "lr": 1e20, "batch_size": 32, "epochs": 1, "bma_samples": 0}
+    )  # fmt: skip
+    with pytest.raises(TrainingDiverged, match="parameters are no longer finite") as info:
+        train(config)
+    assert set(info.value.privacy) == {"noise_multiplier", "sample_rate", "steps"}
 
 
 def test_config_rejects_contradicting_estimator():

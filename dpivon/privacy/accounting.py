@@ -68,7 +68,14 @@ def check_budget(epsilon: float, delta: float, dataset_size: int | None = None) 
         raise DpivonError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
     if not 0 < delta < 1:
         raise DpivonError(f"delta must be in (0, 1), got {delta}")
-    if dataset_size is not None and delta >= 1 / dataset_size:
+    if dataset_size is not None:
+        check_delta(delta, dataset_size)
+
+
+def check_delta(delta: float, dataset_size: int) -> None:
+    """Reject delta >= 1/N: a mechanism that publishes one whole record with probability
+    delta would meet it. Needs only N, so pipelines check it when they load."""
+    if delta >= 1 / dataset_size:
         raise DpivonError(
             f"delta={delta} is >= 1/N = {1 / dataset_size:.3g} for N={dataset_size} training "
             "examples: such a delta allows leaking whole records; use delta < 1/N (e.g. 1e-5)"

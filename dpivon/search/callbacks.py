@@ -278,7 +278,8 @@ def child_runs_by_trial(tracker: Tracker, parent_run_id: str) -> dict[str, str]:
 class SweepProgress(tune.Callback):
     """One line per finished trial and a running tally, instead of Tune's wide tables."""
 
-    def __init__(self, group: str, total: int, objective: str, mode: str):
+    def __init__(self, group: str, total: int | None, objective: str, mode: str):
+        # total None: the group's trial count is private (the random-trials bound)
         self.group, self.total = group, total
         self.objective, self.mode = objective, mode
         self.done = self.failed = self.stopped = 0
@@ -295,7 +296,8 @@ class SweepProgress(tune.Callback):
         best = f"best {self.objective}={self.best:.4f}" if math.isfinite(self.best) else ""
         console.print(
             f"[bold]{self.group}[/] trial {trial.trial_id} {what} {shown} | "
-            f"{self.done}/{self.total} done, {running} running, {self.failed} failed, "
+            f"{self.done}{'' if self.total is None else f'/{self.total}'} done, {running} "
+            f"running, {self.failed} failed, "
             f"{self.stopped} stopped early | {best}",
             highlight=False,
         )

@@ -28,11 +28,11 @@ inactive one is inactive too. An inactive parameter is absent from the trial and
 its default (the optimizer's: ``dpivon.optim.registry``).
 
 Every name is a training config key, flat (``lr``) or a path (``optimizer.lr``), see
-:func:`dpivon.config.config_key`, outside :data:`PIPELINE_OWNED_FIELDS` (a pipeline sets
-``device`` under ``train:``); or a *switch*: a categorical that some ``when`` names
-(``use_wd``), dropped from the trial's config. Loading checks the whole file and that every
-bound and choice is a valid TrainConfig value for the optimizer; each problem is one
-:class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
+:func:`dpivon.config.config_key` (a pipeline refuses the keys it sets itself, see
+:meth:`dpivon.search.pipeline.Pipeline.owned_settings`); or a *switch*: a categorical that
+some ``when`` names (``use_wd``), dropped from the trial's config. Loading checks the whole
+file and that every bound and choice is a valid TrainConfig value for the optimizer; each
+problem is one :class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
 """
 
 from __future__ import annotations
@@ -64,14 +64,6 @@ from pydantic import (
 from dpivon.config import TrainConfig, config_key, format_validation_error, read_yaml_mapping
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZER_NAMES
-
-# TrainConfig fields a pipeline sets for every trial; search spaces may not sample or fix them.
-PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
-    *("optimizer", "epsilon", "delta", "accountant", "dataset", "data_path", "model"),
-    *("epochs", "seed", "data_seed", "secure_mode", "device", "val_size", "per_class"),
-    "synthetic_size",
-)
-
 
 # Optuna samples integers through floats, which hold them exactly up to 2**53 only.
 _IntBound = Annotated[StrictInt, Field(ge=-(2**53), le=2**53)]
@@ -333,12 +325,6 @@ def load_search_space(path: str | Path) -> SearchSpace:
                 raise DpivonError(f"{prefix}: {err}, nor a switch that a when names") from None
             if not isinstance(param, CategoricalDistribution):
                 raise DpivonError(f"{prefix}: {err}; a switch must be categorical") from None
-            continue
-        if keys[name] in PIPELINE_OWNED_FIELDS:
-            raise DpivonError(
-                f"{prefix}: {keys[name]} is set by the pipeline, not by a search space; remove "
-                "it here (a pipeline sets device under train:)"
-            )
     space = SearchSpace(raw.optimizer, params, conditions, keys, path)
     for description, config in space.bound_configs():
         try:

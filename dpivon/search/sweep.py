@@ -10,10 +10,11 @@ has run, dpivon.search.report builds the fronts and the report from the MLflow r
 
 Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / ``gs://``
 / ``file://`` through dpivon.search.storage): ``sweep.json`` (parent run, per-trial
-epsilons), the Tune experiment ``trials/`` (trial checkpoints, searcher state), the final
-tables and plots. SIGINT or SIGTERM stop the sweep cleanly (trials keep their
-checkpoints, the parent run ends KILLED, exit 128 + signal); ``--resume`` finishes what was
-interrupted.
+epsilons, each group's drawn trial count), the Tune experiment ``trials/`` (trial
+checkpoints, searcher state), ``tuning_private.json``, the final tables and plots. The
+state file, the Tune experiment and ``tuning_private.json`` are private, like the data.
+SIGINT or SIGTERM stop the sweep cleanly (trials keep their checkpoints, the parent run
+ends KILLED, exit 128 + signal); ``--resume`` finishes what was interrupted.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ class SweepState:
     # group -> the epsilon each of its trials spends (differs from the group's budget only
     # with total_epsilon); fixed when the sweep starts so that a resume keeps it
     trial_epsilons: dict[str, float] = field(default_factory=dict)
+    # group -> its number of trials K, drawn from OS entropy when the sweep starts: private
+    # (the random-trials bound holds only while K is unknown), never logged or reported
+    trial_counts: dict[str, int] = field(default_factory=dict)
+    # release: best: the export pick that selects the released model (None: any pick)
+    release_pick: str | None = None
 
     @classmethod
     def load(cls, storage: SweepStorage) -> SweepState:
@@ -115,9 +121,10 @@ def _run_trials(
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
     ``concurrency`` at once."""
-    for group in groups:
-        if group.trials == 0:
-            console.print(f"[bold]{group.name}[/]: K = 0 trials drawn; the group runs none")
+    if not pipeline.hides_trial_count:  # else the trial counts are private
+        for group in groups:
+            if group.trials == 0:
+                console.print(f"[bold]{group.name}[/]: K = 0 trials drawn; the group runs none")
     groups = [g for g in groups if g.trials > 0]
     if not groups:
         return
@@ -140,8 +147,9 @@ def _run_trials(
         tuner = group_tuner(pipeline, groups, trainable, run_config, storage,
                             concurrency=concurrency, tracking_uri=tracking_uri,
                             experiment=state.experiment, parent_run_id=state.parent_run_id)
-    console.print(f"{len(groups)} groups, {sum(g.trials for g in groups)} trials, "
-                  f"{concurrency} at a time")
+    how_many = (f"trials drawn from {pipeline.trial_count} (mean {pipeline.trials})"
+                if pipeline.hides_trial_count else f"{sum(g.trials for g in groups)} trials")
+    console.print(f"{len(groups)} groups, {how_many}, {concurrency} at a time")
     with stop.tuning():
         tuner.fit()
 
@@ -341,7 +349,7 @@ def _provenance() -> dict[str, str]:
 
 def _record_new_sweep(
     pipeline: Pipeline, storage: SweepStorage, tracker: Tracker, parent: str,
-    trial_epsilons: dict[str, float],
+    trial_epsilons: dict[str, float], counts: dict[tuple[str, float], int],
 ) -> SweepState:
     """The new parent run's settings and files, and the state file that names it."""
     tracker.log_params(
@@ -375,9 +383,20 @@ def _record_new_sweep(
         parent,
         list(pipeline.objective_pairs),
         trial_epsilons=trial_epsilons,
+        trial_counts={group_name(o, e): k for (o, e), k in counts.items()},
+        release_pick=pipeline.release_pick,
     )
     state.save(storage)
     return state
+
+
+def _trial_counts(
+    pipeline: Pipeline, previous: SweepState | None
+) -> dict[tuple[str, float], int]:
+    """Each group's trial count: drawn now for a new sweep, the drawn one for a resume."""
+    if previous is None or not previous.trial_counts:  # new, or from before counts were kept
+        return pipeline.trial_counts()
+    return {(o, e): previous.trial_counts[group_name(o, e)] for o, e in pipeline.groups}
 
 
 def run_sweep(
@@ -405,7 +424,7 @@ def run_sweep(
     slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     concurrency = pipeline.concurrency or slots
-    counts = pipeline.trial_counts()
+    counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
     tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
@@ -414,7 +433,7 @@ def run_sweep(
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
             state = previous or _record_new_sweep(pipeline, storage, tracker, parent,
-                                                  trial_epsilons)
+                                                  trial_epsilons, counts)
             # Restored Tune callbacks hold the redacted URI; they read the real one from here.
             os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
             console.print(

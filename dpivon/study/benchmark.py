@@ -51,7 +51,7 @@ from dpivon.study.layout import (
 from dpivon.study.report import Report, build_report, log_report, write_report
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking import Tracker, log_training_result
-from dpivon.training import TrainResult, load_data, train
+from dpivon.training import TrainResult, load_data, released_metrics, train
 
 STATE_FILE = "benchmark.json"
 REPORT_DIR = "report"
@@ -192,10 +192,8 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
 
 def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
     """Per-epoch history, final metrics, summary, reliability bins and diagram."""
-    private = result.config.is_private
     for metrics in result.history:
-        # a private run's training loss is computed on raw batches: not DP, not stored
-        released = {k: v for k, v in metrics.items() if not (private and k == "train_loss")}
+        released = released_metrics(result.config, metrics)
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
     log_training_result(tracker, run_id, result, with_model=False)
     tracker.log_metrics(

@@ -7,7 +7,8 @@ shown)::
     data: {dataset: cifar10, per_class: 400, val_size: 1000}   # as in a sweep pipeline
     model: small-cnn                 # default tanh-cnn
     epochs: 4                        # default 10
-    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped)
+    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped);
+                                     # a non-private method runs at inf only
     seeds: [0, 1, 2]                 # >= 3 distinct replicates (the report's spread)
     split_seed: 0                    # the train/validation split, shared by every run
     delta: 1.0e-5
@@ -65,7 +66,7 @@ from dpivon.config import (
 from dpivon.constraints import Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
-from dpivon.search.pipeline import RunFile, as_list, train_extras
+from dpivon.search.pipeline import RunFile, as_list, group_budget, train_extras
 from dpivon.search.trial import trial_seed
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ PICKS = ("knee", "max-accuracy", "min-ece")
 _METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
-TrainExtras = Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "benchmark"))]
+TrainExtras = Annotated[dict[str, Any], BeforeValidator(train_extras)]
 
 
 class _Strict(BaseModel):
@@ -179,6 +180,19 @@ class BenchmarkPipeline(RunFile):
     def epsilon_list(self) -> list[float]:
         return [float(e) for e in self.epsilons]
 
+    def method_epsilons(self, method: Method) -> list[float]:
+        """The epsilons ``method`` runs at: the listed ones, or inf alone for a non-private
+        optimizer (it spends no budget, so a finite label would claim one)."""
+        return list(dict.fromkeys(group_budget(method.optimizer, e) for e in self.epsilon_list))
+
+    @property
+    def owned_keys(self) -> frozenset[str]:
+        return frozenset(self.base_config(self.methods[0], math.inf, 0))
+
+    def train_blocks(self) -> dict[str, dict[str, Any]]:
+        methods = {f"methods.{i}.train": m.train for i, m in enumerate(self.methods)}
+        return {"train": self.train, **methods}
+
     @property
     def tuning_trials(self) -> dict[tuple[str, float], int]:
         """(method, epsilon) -> trials its sweep group ran, for from_sweep methods."""
@@ -276,9 +290,9 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     for method in pipeline.methods:
         tuned: dict[float, tuple[dict[str, Any], str]] = {}
         if method.from_sweep is not None:
-            tuned, counts = _tuned_configs(method, pipeline.epsilon_list, where)
+            tuned, counts = _tuned_configs(method, pipeline.method_epsilons(method), where)
             budgets.update({(method.name, eps): n for eps, n in counts.items()})
-        for eps in pipeline.epsilon_list:
+        for eps in pipeline.method_epsilons(method):
             picked, tuned_by = tuned.get(eps, ({}, None))
             for replicate in pipeline.seeds:
                 keys = {
@@ -297,11 +311,12 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                 runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
     _check_equal_budgets(budgets, where)
     methods, seeds = pipeline.method_names, pipeline.seeds
+    epsilons = list(dict.fromkeys([*pipeline.epsilon_list, math.inf]))
     pipeline._runs = sorted(
         runs,
         key=lambda r: (
             seeds.index(r.replicate),
-            pipeline.epsilon_list.index(r.epsilon),
+            epsilons.index(r.epsilon),
             methods.index(r.method),
         ),
     )
