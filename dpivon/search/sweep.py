@@ -286,6 +286,9 @@ def _init_ray(address: str | None) -> bool:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
+            # Token authentication, Ray's default for a cluster it starts, chosen explicitly:
+            # left unset, Ray warns about it on every start with nothing for the user to do
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
             ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
