@@ -11,9 +11,6 @@ _KNOWN_WARNINGS = (
     "Secure RNG turned off",  # Opacus: fine for research runs; secure_mode for a release
     "Optimal order is the largest alpha",  # RDP: harmless at these budgets
     "Full backward hook is firing",  # torch: inputs need no grad, per-sample grads are exact
-    # MLflow, for every PythonModel without type hints: the served model checks its input
-    # itself (dpivon.data.images), which MLflow's type-hint validation cannot express
-    "Add type hints to the `predict` method",
 )
 
 

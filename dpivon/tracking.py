@@ -227,6 +227,17 @@ def load_checkpoint(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Pos
     return config, model, posterior
 
 
+def load_pyfunc(model_uri: str, tracking_uri: str | None = None) -> mlflow.pyfunc.PyFuncModel:
+    """A logged model (``runs:/RUN_ID/model``, ``models:/NAME/VERSION``, a path), or one line
+    saying why it cannot be loaded."""
+    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    except (MlflowException, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise DpivonError(f"cannot load the model {model_uri}: {first_line[:300]}") from None
+
+
 class PosteriorClassifier(mlflow.pyfunc.PythonModel):
     """MLflow pyfunc: a batch of images -> one row per image with the class, its
     probability, the predictive entropy, the mutual information across posterior draws
@@ -239,6 +250,10 @@ class PosteriorClassifier(mlflow.pyfunc.PythonModel):
     0: at the mean), drawn from a generator seeded by ``seed``, so that one input gives one
     answer wherever it is served; otherwise the point prediction.
     """
+
+    # The model checks its input itself (dpivon.data.images: two dtypes, two layouts), which
+    # MLflow's type-hint validation cannot express; without this MLflow warns at every import.
+    _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
         self.config, self.model, self.posterior = load_checkpoint(context.artifacts["checkpoint"])
