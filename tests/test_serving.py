@@ -16,7 +16,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
-from conftest import BIN, answers, free_port, wait_until
+from conftest import BIN, CIFAR10_TARBALL, answers, free_port, wait_until
 from packaging.requirements import Requirement
 from PIL import Image
 from typer.testing import CliRunner
@@ -24,7 +24,6 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.data import CIFAR10_CLASSES
 
-CIFAR10_TARBALL = Path(os.environ.get("DPIVON_DATA", "/work/shared/data/cifar10-jpeg.tar.gz"))
 IMAGES = 8
 runner = CliRunner()
 

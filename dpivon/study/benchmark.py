@@ -191,13 +191,13 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
 
 
 def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
-    """Per-epoch history, final metrics, summary, reliability bins and diagram."""
+    """Per-epoch history, final metrics, summary, reliability bins and diagram, the model."""
     private = result.config.is_private
     for metrics in result.history:
         # a private run's training loss is computed on raw batches: not DP, not stored
         released = {k: v for k, v in metrics.items() if not (private and k == "train_loss")}
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
-    log_training_result(tracker, run_id, result, with_model=False)
+    log_training_result(tracker, run_id, result)  # with its model: dpivon predict takes it
     tracker.log_metrics(
         run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
     )
