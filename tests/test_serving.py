@@ -112,7 +112,8 @@ def test_predict_and_mlflow_serve_agree_on_raw_jpegs(logged, jpegs, spawn):
     server, log = spawn(
         [BIN / "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local",
          "-h", "127.0.0.1", "-p", port],
-        "serve", env={**os.environ, "MLFLOW_TRACKING_URI": tracking},
+        "serve",  # it runs uvicorn from PATH
+        env={"MLFLOW_TRACKING_URI": tracking, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: answers(f"{url}/ping"), 180, f"mlflow models serve (log: {log})", server)
