@@ -41,6 +41,8 @@ def test_readme_examples_run(tmp_path):
             f"README block {number} ({language}) failed:\n{code}\n{ran.stdout[-2000:]}"
             f"\n{ran.stderr[-3000:]}"
         )
+        # e.g. "INFO mlflow.store.db.utils: Creating initial MLflow database tables..."
+        assert " INFO mlflow" not in ran.stderr, ran.stderr
 
 
 def test_marker_finds_blocks_and_only_after_it():

@@ -58,13 +58,13 @@ def model_input(images: np.ndarray, *, cifar_normalised: bool = False) -> Tensor
 
 
 def read_images(paths: Iterable[str | Path]) -> tuple[list[str], np.ndarray]:
-    """The images of PNG/JPEG files, folders of them (sorted) and .npy batches, as names and
-    one (N, 32, 32, 3) array: uint8, or the floats of a float .npy batch."""
+    """The images of PNG/JPEG files, folders of them (with subfolders, sorted) and .npy
+    batches, as names and one (N, 32, 32, 3) array: uint8, or a float .npy batch's floats."""
     names: list[str] = []
     batches: list[np.ndarray] = []
     for path in map(Path, paths):
         if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise DpivonError(f"{path} holds no {'/'.join(IMAGE_SUFFIXES)} file")
         elif not path.exists():
