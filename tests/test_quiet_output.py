@@ -11,7 +11,7 @@ import os, ray
 from dpivon.search.sweep import _init_ray
 _init_ray(None)
 assert ray.is_initialized()
-print("auth", os.environ["RAY_AUTH_MODE"])
+print("auth", os.environ.get("RAY_AUTH_MODE"))  # Ray sets it when it turns token auth on
 ray.shutdown()
 """
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import CIFAR10_TARBALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ def runnable_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+@pytest.mark.timeout(1200)  # a few CLI runs: about 2 min on an idle 2-core machine
 def test_readme_examples_run(tmp_path):
     blocks = runnable_blocks((ROOT / "README.md").read_text())
     assert {language for language, _ in blocks} == {"bash", "python"}
