@@ -575,6 +575,55 @@ def audit(
     )
 
 
+@app.command()
+@user_errors
+def predict(
+    model_uri: Opt[
+        str,
+        typer.Argument(help="an MLflow model: runs:/RUN_ID/model, models:/NAME/VERSION, a path"),
+    ],
+    images: Opt[
+        list[Path], typer.Argument(help="PNG/JPEG files, folders of them, .npy batches")
+    ],
+    json_output: Opt[bool, typer.Option("--json", help="print every column as JSON")] = False,
+    bma_samples: Opt[
+        int | None,
+        typer.Option(min=0, help="posterior draws (IVON family; 0: the mean) [default: the model]"),
+    ] = None,
+    seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
+    cifar_normalised: Opt[
+        bool, typer.Option(help="a .npy batch of floats already CIFAR-normalised")
+    ] = False,
+    tracking_uri: Opt[
+        str | None, typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)")
+    ] = None,
+) -> None:
+    """Classify images with a logged model: class, probability, entropy (and, for the IVON
+    family, the mutual information across posterior draws) per image."""
+    from dpivon.data.images import read_images
+    from dpivon.tracking import load_pyfunc
+
+    names, batch = read_images(images)  # bad files fail before the model loads
+    model = load_pyfunc(model_uri, tracking_uri)
+    params = {"seed": seed, "cifar_normalised": cifar_normalised}
+    if bma_samples is not None:
+        params["bma_samples"] = bma_samples
+    rows = model.predict(batch, params=params)
+    rows.insert(0, "file", names)
+    if json_output:  # full precision: the answer of a served model compares equal
+        print(json.dumps(rows.to_dict("records"), indent=2))
+        return
+    numbers = [c for c in ("probability", "entropy", "mutual_information") if c in rows]
+    table = Table(title=f"{model_uri}: {len(rows)} image(s)")
+    for column in ("file", "class", *numbers):
+        table.add_column(column, justify="left" if column in ("file", "class") else "right")
+    for row in rows.to_dict("records"):
+        table.add_row(
+            row["file"], f"{row['label']} ({row['class']})", *(f"{row[c]:.4f}" for c in numbers)
+        )
+    Console(width=200).print(table)
+
+
 def main() -> None:
     app()
 

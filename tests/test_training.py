@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from dpivon import training
 from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
+from dpivon.data import CIFAR10_CLASSES
 from dpivon.errors import DpivonError
 from dpivon.training import TrainingDiverged, load_data, train
 
@@ -129,12 +130,14 @@ def test_logged_model_reproduces_bma_predictions(tmp_path):
     model = mlflow.pyfunc.load_model(f"runs:/{summary['mlflow_run_id']}/model")
     data = load_data(parse_config({"dataset": "synthetic", "model": "small-cnn"}))
     images, labels = data.test.tensors
-    probs = model.predict(images.numpy())
-    accuracy = float((probs.argmax(1) == labels.numpy()).mean())
+    # the training tensors are CIFAR-normalised already (raw images: tests/test_serving.py)
+    rows = model.predict(images.numpy(), params={"cifar_normalised": True})
+    accuracy = float((rows["class"].to_numpy() == labels.numpy()).mean())
     assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-9)
     # BMA differs from the mean prediction: the posterior really is in the model.
-    mean_probs = model.predict(images.numpy(), params={"bma_samples": 0})
-    assert not np.allclose(probs, mean_probs)
+    mean = model.predict(images.numpy(), params={"bma_samples": 0, "cifar_normalised": True})
+    probs = [f"prob_{name}" for name in CIFAR10_CLASSES]
+    assert not np.allclose(rows[probs].to_numpy(), mean[probs].to_numpy())
 
 
 def test_training_is_reproducible_and_resumable():

@@ -35,9 +35,7 @@ from dpivon.search.pipeline import Pipeline, Resources
 from dpivon.search.results import BUDGET_TAG, GROUP_TAG, TRIAL_EPSILON_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.storage import SweepStorage
-from dpivon.search.trial import COMPLETE, DIVERGED, run_trial
-
-GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
+from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, run_trial
 
 
 @dataclass(frozen=True)
@@ -338,7 +336,13 @@ def group_tuner(
                 MlflowTrialLogger(
                     tracking_uri, experiment, parent_run_id, g.base_config, g.space, g.tags, storage
                 ),
-                SweepProgress(g.name, None if secret_draws else g.trials, first_metric, first_mode),
+                SweepProgress(
+                    g.name,
+                    None if secret_draws else g.trials,
+                    None if secret_draws else sum(h.trials for h in groups),
+                    first_metric,
+                    first_mode,
+                ),
             ]
             for g in groups
         }

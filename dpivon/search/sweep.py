@@ -77,6 +77,7 @@ RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for mi
 NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
 SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
 _TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 console = Console(stderr=True)
 
 
@@ -294,6 +295,10 @@ def _init_ray(address: str | None) -> bool:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
+            # Ray starts its local cluster with token authentication (its default, kept) and
+            # warns about that default at every start: nothing there for the user to do.
+            # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
+            logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
             ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None

@@ -32,6 +32,7 @@ MODEL_FILE = "model.pt"
 COMPLETE = "training_complete"
 DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became non-finite
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
+GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
 
 
 def trial_seed(pipeline_seed: int, trial_id: str) -> int:

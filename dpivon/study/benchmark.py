@@ -191,11 +191,11 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
 
 
 def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
-    """Per-epoch history, final metrics, summary, reliability bins and diagram."""
+    """Per-epoch history, final metrics, summary, reliability bins and diagram, the model."""
     for metrics in result.history:
         released = released_metrics(result.config, metrics)
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
-    log_training_result(tracker, run_id, result, with_model=False)
+    log_training_result(tracker, run_id, result)  # with its model: dpivon predict takes it
     tracker.log_metrics(
         run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
     )
