@@ -45,7 +45,7 @@ from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import TrialStatus, group_name, trials_table
 from dpivon.search.storage import SweepStorage, local_copy
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import Tracker, load_checkpoint, log_model
+from dpivon.tracking import Tracker, has_logged_model, load_checkpoint, log_model
 
 TRIALS_FILE = "trials.csv"
 FRONT_FILE = "pareto_front.csv"
@@ -159,27 +159,30 @@ def tuning_privacy(
 # --- fronts ---------------------------------------------------------------------------------
 
 
-def evaluate_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> pd.DataFrame:
-    """Test metrics of the front members (selected on validation, never on test), logged
-    with their models on their runs."""
-    test_rows = []
+def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> None:
+    """Test metrics and model of each front member (selected on validation, never on test),
+    logged on its run unless its run records them already: finishing again (a resumed
+    finished sweep) evaluates and logs nothing twice."""
     for row in front.itertuples():
-        with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
-            config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
-        result = evaluate(
-            model,
-            data.test,
-            posterior=posterior,
-            bma_samples=config.evaluation.bma_samples,
-            n_bins=config.evaluation.ece_bins,
-            seed=config.runtime.seed,
-        )
-        test = {f"test_{k}": v for k, v in result.metrics.items()}
-        tracker.log_metrics(row.run_id, test, step=config.training.epochs)
-        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})
-        log_model(tracker, row.run_id, config, model, posterior)
-        test_rows.append({"trial_id": row.trial_id, **test})
-    return front.merge(pd.DataFrame(test_rows), on="trial_id", how="left") if test_rows else front
+        scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
+        modelled = has_logged_model(tracker, row.run_id)
+        if not (scored and modelled):
+            with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
+                config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
+            if not scored:
+                result = evaluate(
+                    model,
+                    data.test,
+                    posterior=posterior,
+                    bma_samples=config.evaluation.bma_samples,
+                    n_bins=config.evaluation.ece_bins,
+                    seed=config.runtime.seed,
+                )
+                test = {f"test_{k}": v for k, v in result.metrics.items()}
+                tracker.log_metrics(row.run_id, test, step=config.training.epochs)
+            if not modelled:
+                log_model(tracker, row.run_id, config, model, posterior)
+        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})  # a tag is replaced
 
 
 def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -> dict[str, float]:
@@ -256,12 +259,15 @@ def report_sweep(
 ) -> pd.DataFrame:
     """Build and log everything the sweep concludes, its files both in the sweep's folder
     and on the parent run; returns the trials table."""
-    trials = trials_table(tracker, parent_run_id)
-    if trials.empty:
+    objectives, by = pipeline.objective_pairs, ("optimizer", "epsilon")
+    record = trials_table(tracker, parent_run_id)
+    if record.empty:
         raise DpivonError("the sweep recorded no trial; see the Ray logs above")
-    objectives = pipeline.objective_pairs
-    front = pareto_front(trials, objectives, by=("optimizer", "epsilon"))
-    front = evaluate_front_on_test(front, data, tracker)
+    record_front_on_test(pareto_front(record, objectives, by=by), data, tracker)
+    # Everything below is computed from the record alone, read back whole, so that a first
+    # finish and any resumed one write the same tables and log the same values.
+    trials = trials_table(tracker, parent_run_id)
+    front = pareto_front(trials, objectives, by=by)
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
 
     privacy = tuning_privacy(trials, pipeline, trial_epsilons, counts)
@@ -275,7 +281,7 @@ def report_sweep(
             numeric = isinstance(value, float | int) and not isinstance(value, bool)
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
-    tracker.log_metrics(parent_run_id, metrics)
+    tracker.log_changed_metrics(parent_run_id, metrics)
     description = parent_description(front, objectives, privacy)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
