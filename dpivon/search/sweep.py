@@ -27,6 +27,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -52,7 +53,7 @@ from dpivon.search.report import (
     report_sweep,
     solve_trial_epsilons,
 )
-from dpivon.search.results import child_runs, group_name
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
 from dpivon.search.storage import SweepStorage
 from dpivon.tracking import Tracker
 from dpivon.training import load_data
@@ -144,6 +145,19 @@ def _run_trials(
                   f"{concurrency} at a time")
     with stop.tuning():
         tuner.fit()
+
+
+def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
+    """Whether MLflow records an outcome for every trial of every group (a trial's outcome
+    is its last write): a finished sweep, whose resume restores nothing of Tune's."""
+    runs = child_runs(tracker, parent_run_id)
+    ended = Counter(
+        run.data.tags.get(GROUP_TAG)
+        for run in runs
+        if run.info.status in ("FINISHED", "FAILED")
+        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
+    )
+    return sum(ended.values()) == len(runs) and all(ended[g.name] >= g.trials for g in groups)
 
 
 # --- interruptions --------------------------------------------------------------------------
@@ -423,8 +437,12 @@ def run_sweep(
                 f"{parent}; results in {storage.uri}"
             )
             try:
-                _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
-                            concurrency, stop)
+                if previous and _every_trial_recorded(tracker, parent, groups):
+                    console.print("every trial has run: none runs again; the report is "
+                                  "made again from the MLflow record, and is the same")
+                else:
+                    _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
+                                concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
             except SweepInterrupted:
