@@ -401,7 +401,8 @@ def run_sweep(
     tracking_uri: str | None = None,
     resume: bool = False,
 ) -> pd.DataFrame:
-    """Run (or resume) the whole sweep; returns the table of trials. Raises
+    """Run (or resume) the whole sweep; returns the table of trials. Resuming a finished
+    sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = sweep_storage(pipeline)
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
@@ -439,7 +440,7 @@ def run_sweep(
             try:
                 if previous and _every_trial_recorded(tracker, parent, groups):
                     console.print("every trial has run: none runs again; the report is "
-                                  "made again from the MLflow record, and is the same")
+                                  "made again from the MLflow record")
                 else:
                     _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
                                 concurrency, stop)
