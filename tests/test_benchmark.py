@@ -410,6 +410,6 @@ def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark)
     for _ in range(2):
         result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
         assert result.exit_code == 0, result.output
-        assert "0 of 12 runs to do (12 finished before)" in result.output
+        assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
         assert store_snapshot(tmp_path, pipeline.experiment, pipeline.directory) == before
     assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])

@@ -332,6 +332,15 @@ def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
     )
 
 
+def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
+    """Connect to the Ray cluster, check that a trial fits on it, and return how many
+    trials run at once."""
+    joined = _init_ray(address)
+    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
+    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
+    return pipeline.concurrency or slots
+
+
 # --- the sweep ------------------------------------------------------------------------------
 
 
@@ -415,14 +424,15 @@ def run_sweep(
     previous = SweepState.load(storage) if exists else None
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
-    # Everything that can reject the sweep runs before its parent run is opened.
-    joined = _init_ray(address)
-    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
-    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
-    concurrency = pipeline.concurrency or slots
     counts = pipeline.trial_counts()
     trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
+    finished = previous is not None and _every_trial_recorded(
+        tracker, previous.parent_run_id, groups
+    )
+    # Everything that can reject the sweep runs before its parent run is opened; a finished
+    # sweep needs no cluster.
+    concurrency = 0 if finished else _cluster_concurrency(pipeline, address)
     tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))
@@ -438,7 +448,7 @@ def run_sweep(
                 f"{parent}; results in {storage.uri}"
             )
             try:
-                if previous and _every_trial_recorded(tracker, parent, groups):
+                if finished:
                     console.print("every trial has run: none runs again; the report is "
                                   "made again from the MLflow record")
                 else:
