@@ -1,11 +1,13 @@
 """What a sweep concludes, from its MLflow record: fronts, test scores, privacy, plots.
 
 When every trial has run, :func:`report_sweep` builds the Pareto front of each group
-(validation metrics, completed trials only; dpivon.search.pareto), evaluates its members on
-the test set, and logs on the parent run: the hypervolume of each front, the trial
-outcomes, the tuning-privacy report of each private group (dpivon.privacy.tuning), the
-tables, the plots, and a Markdown description (the fronts and the epsilons to quote). The
-same accounting, run before the sweep, solves the per-trial epsilon of a ``total_epsilon``
+(validation metrics, completed trials only; dpivon.search.pareto), evaluates on the test
+set the members whose runs do not yet hold their test scores and model, and, from the record
+read back, logs on the parent run: the hypervolume of each front, the trial outcomes, the
+tuning-privacy report of each private group (dpivon.privacy.tuning), the tables, the plots,
+and a Markdown description (the fronts and the epsilons to quote). Finishing again (a
+resumed finished sweep) therefore writes the same files and logs nothing twice. The same
+accounting, run before the sweep, solves the per-trial epsilon of a ``total_epsilon``
 budget (:func:`solve_trial_epsilons`).
 """
 
