@@ -25,7 +25,7 @@ import mlflow
 import numpy as np
 import pandas as pd
 import torch
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import LoggedModelStatus, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
@@ -174,6 +174,12 @@ class Tracker:
         ]
         for start in range(0, len(items), _MAX_BATCH):
             self.client.log_batch(run_id, metrics=items[start : start + _MAX_BATCH])
+
+    def log_changed_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Only the metrics whose latest value on the run differs, or that it lacks: logging
+        the same conclusions again (a resumed finished sweep) adds nothing to their history."""
+        recorded = self.client.get_run(run_id).data.metrics
+        self.log_metrics(run_id, {k: v for k, v in metrics.items() if recorded.get(k) != v}, step)
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -356,6 +362,14 @@ def log_model(
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.
     tracker.client.update_run(run_id, status=status)
+
+
+def has_logged_model(tracker: Tracker, run_id: str) -> bool:
+    """Whether the run has a model logged in full (a resume logs a missing one only)."""
+    models = tracker.client.search_logged_models(
+        [tracker.experiment_id], filter_string=f"source_run_id = '{run_id}'"
+    )
+    return any(m.status == LoggedModelStatus.READY for m in models)
 
 
 def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bool = True) -> None:

@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 import yaml
+from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -408,3 +409,17 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
             assert child.info.end_time == ended[child.info.run_id]  # untouched
     history = client.get_metric_history(interrupted.info.run_id, "val_accuracy")
     assert len(history) >= 1 and np.isfinite([m.value for m in history]).all()
+
+
+def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark):
+    """The report is built from the MLflow record alone: resumed twice, a finished benchmark
+    trains nothing and leaves its files (plots aside), runs, metric histories and artifacts
+    as they were."""
+    tmp_path, pipeline, _ = finished_benchmark
+    before = store_snapshot(tmp_path, pipeline.experiment, pipeline.directory)
+    for _ in range(2):
+        result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
+        assert result.exit_code == 0, result.output
+        assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
+        assert store_snapshot(tmp_path, pipeline.experiment, pipeline.directory) == before
+    assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])

@@ -14,7 +14,7 @@ from fault_injection import injected_faults, trial_faults_runtime_env
 from optuna.trial import TrialState
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
-from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
+from sweep_helpers import REPO, runs_of, store_snapshot, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -136,6 +136,26 @@ def test_pareto_command_prints_the_front(finished_sweep, tmp_path):
     assert result.exit_code == 0, result.output
     assert "Pareto" in result.output
     assert out.stat().st_size > 10_000 and out.with_suffix(".html").exists()
+
+
+def test_resuming_a_finished_sweep_twice_changes_nothing(finished_sweep):
+    """Finishing is idempotent: every file and record of the sweep, plots aside, is the same
+    after two resumes; nothing is evaluated, logged or trained again."""
+    tmp_path, pipeline, _ = finished_sweep
+    folder = sweep_folder(pipeline)
+    before = store_snapshot(tmp_path, pipeline.experiment, folder)
+    for _ in range(2):
+        result = runner.invoke(app, ["sweep", str(pipeline.path), "--resume"])
+        assert result.exit_code == 0, result.output
+        assert "every trial has run: none runs again" in " ".join(result.output.split())
+        assert "test_accuracy" in result.output  # the front is printed again, test scores too
+        assert store_snapshot(tmp_path, pipeline.experiment, folder) == before
+    front = pd.read_csv(folder / "pareto_front.csv")
+    assert {"test_accuracy", "test_ece", "test_nll"} <= set(front.columns)
+    assert not [c for c in front.columns if c.endswith(("_x", "_y"))]
+    assert {r[1] for r in before["models"]} == set(front.run_id)  # one model per member
+    parent = next(run for run in before["runs"].values() if run[1].get("dpivon.kind") == "sweep")
+    assert "test_accuracy" in parent[1]["mlflow.note.content"]
 
 
 def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):

@@ -3,11 +3,13 @@
 When every trial has run, :func:`report_sweep` builds the Pareto front of each group
 (validation metrics, completed trials only; dpivon.search.pareto), evaluates the released
 models on the test set and logs them (the front's members; with ``release: best`` only the
-one best by the pipeline's metric), and logs on the parent run: the hypervolume of each
-front, the trial outcomes, the tuning-privacy report of each private group
+one best by the pipeline's metric) where their runs do not hold their test scores and model
+yet, and, from the record read back, logs on the parent run: the hypervolume of each front,
+the trial outcomes, the tuning-privacy report of each private group
 (dpivon.privacy.tuning), the tables, the plots, and a Markdown description (the fronts and
-the epsilons to quote). Where the random-trials bound is quoted, nothing on the parent run
-reveals how many trials ran (no counts, no composition): those facts go to
+the epsilons to quote). Finishing again (a resumed finished sweep) therefore writes the same
+files and logs nothing twice. Where the random-trials bound is quoted, nothing on the parent
+run reveals how many trials ran (no counts, no composition): those facts go to
 ``tuning_private.json`` in the sweep's folder only, private like its state file and
 checkpoints. The same accounting, run before the sweep, solves the per-trial epsilon of a
 ``total_epsilon`` budget (:func:`solve_trial_epsilons`).
@@ -50,7 +52,7 @@ from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import TrialStatus, group_name, trials_table
 from dpivon.search.storage import SweepStorage, local_copy
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import Tracker, load_checkpoint, log_model
+from dpivon.tracking import Tracker, has_logged_model, load_checkpoint, log_model
 
 TRIALS_FILE = "trials.csv"
 FRONT_FILE = "pareto_front.csv"
@@ -171,27 +173,30 @@ def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
     return pick(front, pipeline.objective_pairs, pipeline.release_pick, by=("optimizer", "epsilon"))
 
 
-def evaluate_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> pd.DataFrame:
-    """Test metrics of the released front members (selected on validation, never on test),
-    logged with their models on their runs."""
-    test_rows = []
+def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> None:
+    """Test metrics and model of each front member (selected on validation, never on test),
+    logged on its run unless its run records them already: finishing again (a resumed
+    finished sweep) evaluates and logs nothing twice."""
     for row in front.itertuples():
-        with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
-            config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
-        result = evaluate(
-            model,
-            data.test,
-            posterior=posterior,
-            bma_samples=config.evaluation.bma_samples,
-            n_bins=config.evaluation.ece_bins,
-            seed=config.runtime.seed,
-        )
-        test = {f"test_{k}": v for k, v in result.metrics.items()}
-        tracker.log_metrics(row.run_id, test, step=config.training.epochs)
-        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})
-        log_model(tracker, row.run_id, config, model, posterior)
-        test_rows.append({"trial_id": row.trial_id, **test})
-    return front.merge(pd.DataFrame(test_rows), on="trial_id", how="left") if test_rows else front
+        scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
+        modelled = has_logged_model(tracker, row.run_id)
+        if not (scored and modelled):
+            with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
+                config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
+            if not scored:
+                result = evaluate(
+                    model,
+                    data.test,
+                    posterior=posterior,
+                    bma_samples=config.evaluation.bma_samples,
+                    n_bins=config.evaluation.ece_bins,
+                    seed=config.runtime.seed,
+                )
+                test = {f"test_{k}": v for k, v in result.metrics.items()}
+                tracker.log_metrics(row.run_id, test, step=config.training.epochs)
+            if not modelled:
+                log_model(tracker, row.run_id, config, model, posterior)
+        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})  # a tag is replaced
 
 
 def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -> dict[str, float]:
@@ -275,14 +280,17 @@ def report_sweep(
 ) -> pd.DataFrame:
     """Build and log everything the sweep concludes, its files both in the sweep's folder
     and on the parent run; returns the trials table."""
-    trials = trials_table(tracker, parent_run_id)
-    if trials.empty:
+    objectives, by = pipeline.objective_pairs, ("optimizer", "epsilon")
+    record = trials_table(tracker, parent_run_id)
+    if record.empty:
         raise DpivonError("the sweep recorded no trial; see the Ray logs above")
-    objectives = pipeline.objective_pairs
-    front = pareto_front(trials, objectives, by=("optimizer", "epsilon"))
-    released = evaluate_front_on_test(released_models(front, pipeline), data, tracker)
-    tested = [c for c in TEST_COLUMNS if c in released]
-    front = front.merge(released[["trial_id", *tested]], on="trial_id", how="left")
+    front = pareto_front(record, objectives, by=by)
+    record_front_on_test(released_models(front, pipeline), data, tracker)
+    # Everything below is computed from the record alone, read back whole, so that a first
+    # finish and any resumed one write the same tables and log the same values.
+    trials = trials_table(tracker, parent_run_id)
+    front = pareto_front(trials, objectives, by=by)
+    released = released_models(front, pipeline)
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
 
     privacy, private = tuning_privacy(trials, pipeline, trial_epsilons, counts)
@@ -297,7 +305,7 @@ def report_sweep(
             numeric = isinstance(value, float | int) and not isinstance(value, bool)
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
-    tracker.log_metrics(parent_run_id, metrics)
+    tracker.log_changed_metrics(parent_run_id, metrics)
     description = parent_description(released, objectives, privacy)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"

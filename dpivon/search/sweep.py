@@ -28,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -53,7 +54,7 @@ from dpivon.search.report import (
     report_sweep,
     solve_trial_epsilons,
 )
-from dpivon.search.results import child_runs, group_name
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
 from dpivon.search.storage import SweepStorage
 from dpivon.tracking import Tracker
 from dpivon.training import load_data
@@ -153,6 +154,19 @@ def _run_trials(
     console.print(f"{len(groups)} groups, {how_many}, {concurrency} at a time")
     with stop.tuning():
         tuner.fit()
+
+
+def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
+    """Whether MLflow records an outcome for every trial of every group (a trial's outcome
+    is its last write): a finished sweep, whose resume restores nothing of Tune's."""
+    runs = child_runs(tracker, parent_run_id)
+    ended = Counter(
+        run.data.tags.get(GROUP_TAG)
+        for run in runs
+        if run.info.status in ("FINISHED", "FAILED")
+        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
+    )
+    return sum(ended.values()) == len(runs) and all(ended[g.name] >= g.trials for g in groups)
 
 
 # --- interruptions --------------------------------------------------------------------------
@@ -331,6 +345,15 @@ def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
     )
 
 
+def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
+    """Connect to the Ray cluster, check that a trial fits on it, and return how many
+    trials run at once."""
+    joined = _init_ray(address)
+    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
+    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
+    return pipeline.concurrency or slots
+
+
 # --- the sweep ------------------------------------------------------------------------------
 
 
@@ -411,7 +434,8 @@ def run_sweep(
     tracking_uri: str | None = None,
     resume: bool = False,
 ) -> pd.DataFrame:
-    """Run (or resume) the whole sweep; returns the table of trials. Raises
+    """Run (or resume) the whole sweep; returns the table of trials. Resuming a finished
+    sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = sweep_storage(pipeline)
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
@@ -424,14 +448,15 @@ def run_sweep(
     previous = SweepState.load(storage) if exists else None
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
-    # Everything that can reject the sweep runs before its parent run is opened.
-    joined = _init_ray(address)
-    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
-    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
-    concurrency = pipeline.concurrency or slots
     counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
+    finished = previous is not None and _every_trial_recorded(
+        tracker, previous.parent_run_id, groups
+    )
+    # Everything that can reject the sweep runs before its parent run is opened; a finished
+    # sweep needs no cluster.
+    concurrency = 0 if finished else _cluster_concurrency(pipeline, address)
     tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))
@@ -447,8 +472,12 @@ def run_sweep(
                 f"{parent}; results in {storage.uri}"
             )
             try:
-                _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
-                            concurrency, stop)
+                if finished:
+                    console.print("every trial has run: none runs again; the report is "
+                                  "made again from the MLflow record")
+                else:
+                    _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
+                                concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
             except SweepInterrupted:
