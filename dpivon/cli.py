@@ -7,7 +7,6 @@ import inspect
 import json
 import math
 import sys
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from typer._click import exceptions as click_errors  # typer 0.29 vendors its cl
 from dpivon.config import field_info, load_configs, parse_assignments, parse_config
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.paths import check_writable
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -49,8 +49,11 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except click_errors.ClickException as err:
             console.print(f"[bold red]error:[/] {err.format_message()}", highlight=False)
             sys.exit(err.exit_code)
-        except click_errors.Abort:
+        except typer.Abort:  # end of input at a prompt, or Ctrl-C
             sys.exit(130)
+        except Exception as err:  # what no command's own handler saw: the option parsing
+            report_unexpected(err, "dpivon", "")
+            sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -64,18 +67,52 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
+# The argument that names what a command works on, for the line of an unexpected error
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "config_values")
+
+
+def _subject(kwargs: dict[str, Any]) -> str:
+    for name in _SUBJECTS:
+        value = kwargs.get(name)
+        if isinstance(value, dict):  # the config flags: the optimizer they name
+            value = value.get("optimizer")
+        if value is not None:
+            return str(value)
+    return ""
+
+
+def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
+    """One red line for an exception nothing anticipated: the operation, its object, the
+    exception's type and its first line (the traceback is noise to a user)."""
+    lines = str(err).strip().splitlines()
+    what = f"{type(err).__name__}: {lines[0][:500]}" if lines else type(err).__name__
+    on = f" {subject}" if subject else ""
+    console.print(
+        f"[bold red]error:[/] {operation}{on} failed: {what}", highlight=False, soft_wrap=True
+    )
+
+
 def user_errors(command: Callable) -> Callable:
     """Bad input (a DpivonError or the library's other ValueErrors) becomes one red line
-    and exit code 2, never a traceback."""
+    and exit code 2; any other exception one red line naming the command and what it was
+    working on, and exit code 1; never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click_errors.ClickException):
+            raise  # the command's own exit, or a usage error that the group reports
         except ValueError as err:
             message = " ".join(str(err).split())  # one line, whatever the message holds
+            if not isinstance(err, DpivonError):  # a library's: say what it was about
+                subject = _subject(kwargs)
+                message = f"dpivon {command.__name__}{f' {subject}' if subject else ''}: {message}"
             console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except Exception as err:
+            report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -91,10 +128,11 @@ def _flag_type(annotation: Any) -> tuple[type, str]:
     return annotation, ""
 
 
-def config_flags(*keys: str) -> Callable[[Callable], Callable]:
+def config_flags(*keys: str, required: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Give a command one ``--flag`` per flat config key, typed and described by the config
     tree, plus ``--set PATH=VALUE`` for every other option. The command receives the given
-    ones as ``config_values`` (flat keys; None = not given)."""
+    ones as ``config_values`` (flat keys; None = not given). The ``required`` flags are
+    marked so in ``--help``, and their absence is a usage error."""
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command)
@@ -104,14 +142,17 @@ def config_flags(*keys: str) -> Callable[[Callable], Callable]:
             path, info = field_info(key)
             flag_type, choices = _flag_type(info.annotation)
             default = "per optimizer" if info.is_required() else info.default
-            help_text = f"{path}" + (f": {choices}" if choices else "") + f" [default: {default}]"
+            help_text = f"{path}" + (f": {choices}" if choices else "")
+            if key not in required:
+                help_text += f" [default: {default}]"
             option = typer.Option(help=help_text, show_default=False)
+            needed = key in required
             flags.append(
                 inspect.Parameter(
                     key,
                     inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[flag_type | None, option],
+                    default=inspect.Parameter.empty if needed else None,
+                    annotation=Annotated[flag_type if needed else flag_type | None, option],
                 )
             )
         assignments = inspect.Parameter(
@@ -195,16 +236,8 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
     an empty experiment name."""
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
-    if json_path is None:
-        return
-    try:
-        if json_path.is_dir():
-            raise IsADirectoryError(f"{json_path} is a folder")
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=json_path.parent):
-            pass
-    except OSError as err:
-        raise DpivonError(f"cannot write --json {json_path}: {err}") from None
+    if json_path is not None:
+        check_writable(json_path, "--json")
 
 
 @app.callback()
@@ -404,6 +437,9 @@ def pareto(
     from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
+    if out is not None:
+        check_writable(out, "--out")
+        check_writable(out.with_suffix(".html"), "--out")
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
@@ -420,7 +456,9 @@ def pareto(
         if c in front
     ]
     print_front_table(front, state.objectives, extra)
-    out = out or Path(f"{state.name}-pareto.png")
+    if out is None:
+        out = Path(f"{state.name}-pareto.png")
+        check_writable(out, "the plot")
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
     plot_fronts_html(
         trials, state.objectives, out.with_suffix(".html"), f"{state.name}: Pareto fronts"
@@ -449,6 +487,7 @@ def export(
     from dpivon.search.export import export_configs, resolve_sweep, write_configs
     from dpivon.search.sweep import SweepState
 
+    check_writable(out, "--out")
     directory = resolve_sweep(sweep_ref)
     objectives = SweepState.load(directory).objectives
     picked = export_configs(
@@ -473,7 +512,7 @@ AUDIT_FLAGS = (
 
 @app.command()
 @user_errors
-@config_flags(*AUDIT_FLAGS)
+@config_flags(*AUDIT_FLAGS, required=("optimizer",))
 def audit(
     config_values: dict[str, Any],
     canaries: Opt[int, typer.Option(help="gradient canaries, each in with probability 1/2")] = 1000,

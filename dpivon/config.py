@@ -15,7 +15,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -49,6 +50,7 @@ from dpivon.optim.registry import (
     OptimizerOptions,
     optimizer_options,
 )
+from dpivon.paths import check_input_file
 
 __all__ = [  # the optimizer names are the registry's, re-exported for config users
     "FLAT_KEYS",
@@ -279,8 +281,19 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
             raise DpivonError(f"--set {assignment}: {err}") from None
         except yaml.YAMLError:
             raise DpivonError(f"--set {assignment}: {text!r} is not a YAML value") from None
+        if value is None and not _takes_null(flat):
+            raise DpivonError(
+                f"--set {assignment}: {field_info(flat)[0]} has no null value; give a value, "
+                "or leave it out for the default"
+            )
         values[flat] = value
     return values
+
+
+def _takes_null(key: str) -> bool:
+    """Whether null is a value of the field (``data_path: null``: the default location)."""
+    annotation = field_info(key)[1].annotation
+    return annotation is None or type(None) in typing.get_args(annotation)
 
 
 class TrainConfig(BaseModel):
@@ -427,6 +440,34 @@ class _YamlLoader(yaml.SafeLoader):
     """
 
 
+class DuplicateKeyError(ValueError):
+    """A mapping names a key twice; YAML would silently keep the last value."""
+
+
+def _mapping_without_duplicates(loader: _YamlLoader, node: yaml.MappingNode) -> dict:
+    seen: set[Any] = set()  # the keys written here; a merged (<<) one may be overridden
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        # True == 1 in Python, not in a file; a list key (allowed by YAML) by its text
+        hashable = (type(key) is bool, key if isinstance(key, Hashable) else repr(key))
+        if hashable in seen:
+            line = key_node.start_mark.line + 1
+            raise DuplicateKeyError(
+                f"key {_shown_key(key)} given twice (line {line}); YAML would silently keep "
+                "the last value: give it once"
+            )
+        seen.add(hashable)
+    return loader.construct_mapping(node, deep=True)
+
+
+def _shown_key(key: Any) -> str:
+    text = repr(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:map", _mapping_without_duplicates)
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
@@ -442,14 +483,15 @@ _YamlLoader.add_implicit_resolver(
 
 def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
-    if not path.is_file():
-        raise DpivonError(f"file not found: {path}")
+    check_input_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as err:
         raise DpivonError(f"cannot read {path} as UTF-8 text: {err}") from None
     try:
         return yaml.load(text, Loader=_YamlLoader)
+    except DuplicateKeyError as err:
+        raise DpivonError(f"{path} is not valid YAML: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

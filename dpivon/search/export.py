@@ -18,7 +18,6 @@ reproducible from a logged seed.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,7 @@ def tuning_cost(storage: SweepStorage, group: str) -> TuningCost | None:
             f"sweep in {storage.uri} has no {TUNING_FILE}; finish it with `dpivon sweep "
             "PIPELINE --resume` (its tuning cost is part of every exported config)"
         )
-    report = json.loads(storage.read_text(TUNING_FILE)).get(group)
+    report = storage.read_json(TUNING_FILE).get(group)
     if report is None:
         return None
     return TuningCost(

@@ -40,12 +40,14 @@ one-line :class:`~dpivon.errors.DpivonError` naming the URI.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -155,7 +157,25 @@ class SweepStorage:
             return f.read()
 
     def read_text(self, name: str) -> str:
-        return self.read_bytes(name).decode("utf-8")
+        data = self.read_bytes(name)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DpivonError(f"{self.uri_of(self._full(name))} is no UTF-8 text: {err}") from None
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A JSON object this sweep wrote; one line naming the file when it is damaged."""
+        where = self.uri_of(self._full(name))
+        try:
+            value = json.loads(self.read_text(name))
+        except json.JSONDecodeError as err:
+            raise DpivonError(
+                f"{where} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                "a damaged or half-written sweep file: restore it or start the sweep anew"
+            ) from None
+        if not isinstance(value, dict):
+            raise DpivonError(f"{where} holds no JSON object; a damaged sweep file")
+        return value
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write one file; on a local disk through a temporary file and a rename, so a

@@ -95,10 +95,16 @@ class SweepState:
 
     @classmethod
     def load(cls, storage: SweepStorage) -> SweepState:
-        state = json.loads(storage.read_text(STATE_FILE))
-        state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+        state = storage.read_json(STATE_FILE)
         known = {f.name for f in fields(cls)}  # older sweeps also listed their finished groups
-        return cls(**{k: v for k, v in state.items() if k in known})
+        try:
+            state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+            return cls(**{k: v for k, v in state.items() if k in known})
+        except (KeyError, TypeError) as err:
+            raise DpivonError(
+                f"{storage.uri_of(storage.path)}/{STATE_FILE} lacks the sweep's state "
+                f"({type(err).__name__}: {err}); a damaged sweep file"
+            ) from None
 
     def save(self, storage: SweepStorage) -> None:
         storage.write_text(STATE_FILE, json.dumps(self.__dict__, indent=2))  # atomic
