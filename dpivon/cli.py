@@ -15,12 +15,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
-from dpivon.config import field_info, load_configs, parse_assignments, parse_config
+from dpivon.config import (
+    field_info,
+    format_validation_error,
+    load_configs,
+    parse_assignments,
+    parse_config,
+)
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.paths import check_writable
@@ -104,7 +111,8 @@ def user_errors(command: Callable) -> Callable:
         except (typer.Exit, typer.Abort, click_errors.ClickException):
             raise  # the command's own exit, or a usage error that the group reports
         except ValueError as err:
-            message = " ".join(str(err).split())  # one line, whatever the message holds
+            text = format_validation_error(err) if isinstance(err, ValidationError) else str(err)
+            message = " ".join(text.split())  # one line, whatever the message holds
             if not isinstance(err, DpivonError):  # a library's: say what it was about
                 subject = _subject(kwargs)
                 message = f"dpivon {command.__name__}{f' {subject}' if subject else ''}: {message}"
@@ -271,6 +279,7 @@ def train(
     log_model: Opt[bool, typer.Option(help="log the model (with posterior) to MLflow")] = True,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
+    from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.tracking import Tracker, log_training_result
     from dpivon.training import check_fits, load_data
     from dpivon.training import train as run_training
@@ -288,6 +297,9 @@ def train(
                 f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
             )
     check_outputs(json_path, experiment)
+    for cfg in configs:  # before any data is read: an epsilon no noise can reach
+        if cfg.is_private:
+            check_plan_reachable(cfg)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
@@ -529,8 +541,10 @@ def audit(
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
     from dpivon.config import PRIVATE_OPTIMIZERS
+    from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.privacy.audit import audit_config, run_audit
     from dpivon.tracking import Tracker
+    from dpivon.training import resolve_device
 
     optimizer = config_values.get("optimizer")
     if optimizer not in PRIVATE_OPTIMIZERS:
@@ -548,6 +562,8 @@ def audit(
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     cfg = audit_config(**config_values)
+    check_plan_reachable(cfg)
+    resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")

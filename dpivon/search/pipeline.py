@@ -85,9 +85,10 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Count, Float, Int, Probability
+from dpivon.constraints import Bound, Count, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
+from dpivon.privacy.accounting import check_plan_reachable
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -118,6 +119,13 @@ _PIPELINE_KEYS = (
     "val_noise_multiplier",
 )
 _NAME = re.compile(r"[a-z0-9_-]+")
+# Upper bounds of the counts, each with what it protects
+MAX_TRIALS = 10_000
+_TRIALS_WHY = "per group, each trial a whole training run; split a larger search into sweeps"
+MAX_CONCURRENCY = 4096
+CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
+MAX_RETRIES = 100
+_RETRIES_WHY = "retries of one trial; one that failed 100 times will fail again"
 
 
 def _owned_by_pipeline(key: str) -> bool:
@@ -175,7 +183,7 @@ class Resources(_Strict):
 
 class AshaScheduler(_Strict):
     type: Literal["asha"]
-    grace_period: Int = Field(1, ge=1)
+    grace_period: Annotated[Int, Bound(ge=1)] = 1
     reduction_factor: Float = Field(2.0, gt=1)
 
 
@@ -303,22 +311,22 @@ class Pipeline(RunFile):
     # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
     total_epsilon: Float | None = None
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
-    validation_noise: Annotated[Float, Field(ge=0)] = (
+    validation_noise: Annotated[Float, Bound(ge=0)] = (
         0.0  # > 0: DP validation scores (val_noise_multiplier)
     )
     optimizers: list[OptimizerEntry] = Field(min_length=1)
-    trials: Int = Field(ge=1)
+    trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
     trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
     # trials in flight at once over the whole sweep (all groups); None: as many as fit
-    concurrency: Int | None = Field(1, ge=1)
+    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
     scheduler: Scheduler = NoScheduler(type="none")
     objectives: list[Objective] = [
         Objective(metric="val_accuracy", mode="max"),
         Objective(metric="val_ece", mode="min"),
     ]
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
-    seed: Annotated[Int, Field(ge=0)] = 0
-    max_failures: Annotated[Int, Field(ge=0)] = 1
+    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
 
@@ -556,14 +564,17 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
     default_batch = pipeline.train.get(
         "batch_size", TrainingConfig.model_fields["batch_size"].default
     )
-    for i, (name, space) in enumerate(pipeline.spaces.items()):
+    for i, (entry, (name, space)) in enumerate(
+        zip(pipeline.optimizers, pipeline.spaces.items(), strict=True)
+    ):
         prefix = f"invalid {where}: optimizers.{i} ({name}, {space.path})"
-        both = [k for k in pipeline.train if k in space.names]
-        if both:
-            raise DpivonError(
-                f"{prefix}: {', '.join(both)} set both under train: and by the search space; "
-                "keep one"
-            )
+        for block, train in (("train:", pipeline.train), (f"optimizers.{i}.train:", entry.train)):
+            both = [k for k in train if k in space.names]
+            if both:
+                raise DpivonError(
+                    f"{prefix}: {', '.join(both)} set both under {block} and by the search "
+                    "space, which would override it; keep one"
+                )
         batch = space.max_value("batch_size")
         batch = default_batch if batch is None else batch
         if isinstance(batch, int | float) and batch > n_train:
@@ -575,12 +586,17 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
         for eps in pipeline.epsilon_list:
             base = pipeline.base_train_config(name, eps)
             try:
-                TrainConfig.model_validate(base)
+                config = TrainConfig.model_validate(base)
             except ValidationError as err:
                 raise DpivonError(
                     f"invalid {where}: the trial settings of {name} at epsilon {eps} are not "
                     f"a valid TrainConfig: {format_validation_error(err)}"
                 ) from None
+            if config.is_private and pipeline.epsilons is not None:
+                try:
+                    check_plan_reachable(config, space.max_value("batch_size"))
+                except DpivonError as err:
+                    raise DpivonError(f"{prefix}: epsilons: {err}") from None
             for description, values in space.bound_configs():
                 try:
                     TrainConfig.model_validate({**base, **values})

@@ -334,6 +334,12 @@ def load_search_space(path: str | Path) -> SearchSpace:
             if not isinstance(param, CategoricalDistribution):
                 raise DpivonError(f"{prefix}: {err}; a switch must be categorical") from None
             continue
+        earlier = next((n for n in keys if n != name and keys[n] == keys[name]), None)
+        if earlier is not None:
+            raise DpivonError(
+                f"{prefix}: {name} and {earlier} both set {keys[name]}; a space sets each "
+                "field once, under one name"
+            )
         if keys[name] in PIPELINE_OWNED_FIELDS:
             raise DpivonError(
                 f"{prefix}: {keys[name]} is set by the pipeline, not by a search space; remove "
@@ -365,6 +371,8 @@ def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution,
         spec = spec_type.model_validate({k: v for k, v in value.items() if k != "type"})
     except ValidationError as err:
         raise DpivonError(f"{prefix}: {format_validation_error(err)}") from None
+    if "when" in value and not spec.when:
+        raise DpivonError(f"{prefix}: when is empty; name a parameter and its values, or drop it")
     if isinstance(spec, _Categorical):
         if len({_choice_key(c) for c in spec.choices}) != len(spec.choices):
             got = _shown.repr(spec.choices)

@@ -52,6 +52,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from dpivon.errors import DpivonError
+from dpivon.paths import check_writable_folder
 from dpivon.tracking import redact_uri
 
 __all__ = ["SweepStorage", "local_copy", "open_uri"]
@@ -146,6 +147,12 @@ class SweepStorage:
             raise DpivonError(
                 f"cannot {what} {self.uri_of(self._full(name))}: {_one_line(err)}"
             ) from None
+
+    def check_writable(self) -> None:
+        """A local sweep folder can be made and written (checked without creating it); an
+        object store answers only when written, which the sweep's first write does."""
+        if self.is_local:
+            check_writable_folder(Path(self.path), "storage_path")
 
     def exists(self, name: str = "") -> bool:
         with self._errors("check", name):

@@ -396,6 +396,7 @@ def run_sweep(
     """Run (or resume) the whole sweep; returns the table of trials. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = sweep_storage(pipeline)
+    storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     exists = storage.exists(STATE_FILE)
     if exists and not resume:
