@@ -74,18 +74,12 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
-# The argument that names what a command works on, for the line of an unexpected error
-_SUBJECTS = ("pipeline", "sweep_ref", "config", "config_values")
+# The arguments that name what a command works on, for the line of an unexpected error
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer")
 
 
 def _subject(kwargs: dict[str, Any]) -> str:
-    for name in _SUBJECTS:
-        value = kwargs.get(name)
-        if isinstance(value, dict):  # the config flags: the optimizer they name
-            value = value.get("optimizer")
-        if value is not None:
-            return str(value)
-    return ""
+    return next((str(kwargs[n]) for n in _SUBJECTS if kwargs.get(n) is not None), "")
 
 
 def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
