@@ -509,10 +509,8 @@ def format_validation_error(err: ValidationError) -> str:
         # sections and union members are noise in a location: `optimizer.lr`, not
         # `optimizer.function-after[...].lr`
         loc = [str(x) for x in e["loc"] if not str(x).startswith(("function-", "tagged-union"))]
-        message = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
+        message = _our_wording(e)
+        if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
             message = (
                 f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "
                 "reads yes/no/on/off as booleans; write the value itself)"
@@ -522,3 +520,43 @@ def format_validation_error(err: ValidationError) -> str:
         where = ".".join(loc)
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
+
+
+def _our_wording(error: Any) -> str:
+    """One pydantic error in our words (what the value must be, what it was), without
+    pydantic's phrasing ("Input should be ...") or its documentation links."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    got = f", got {_shown_value(error.get('input'))}" if "input" in error else ""
+    shown = {
+        "extra_forbidden": lambda: "unknown key",
+        "missing": lambda: "required",
+        "invalid_key": lambda: f"keys must be text{got}",
+        "int_type": lambda: f"must be a whole number{got}",
+        "int_from_float": lambda: f"must be a whole number{got}",
+        "int_parsing": lambda: f"must be a whole number{got}",
+        "float_type": lambda: f"must be a number{got}",
+        "float_parsing": lambda: f"must be a number{got}",
+        "finite_number": lambda: f"must be a finite number{got}",
+        "bool_type": lambda: f"must be true or false{got}",
+        "string_type": lambda: f"must be text{got}",
+        "string_too_short": lambda: "must not be empty",
+        "literal_error": lambda: f"must be one of {ctx.get('expected')}{got}",
+        "dict_type": lambda: f"must be a mapping of keys to values{got}",
+        "model_type": lambda: f"must be a mapping of keys to values{got}",
+        "model_attributes_type": lambda: f"must be a mapping of keys to values{got}",
+        "list_type": lambda: f"must be a list{got}",
+        "too_short": lambda: f"needs at least {ctx.get('min_length')} item(s){got}",
+        "too_long": lambda: f"takes at most {ctx.get('max_length')} item(s)",
+        "greater_than": lambda: f"must be > {ctx.get('gt')}{got}",
+        "greater_than_equal": lambda: f"must be >= {ctx.get('ge')}{got}",
+        "less_than": lambda: f"must be < {ctx.get('lt')}{got}",
+        "less_than_equal": lambda: f"must be <= {ctx.get('le')}{got}",
+        "union_tag_invalid": lambda: f"type must be one of {ctx.get('expected_tags')}{got}",
+        "union_tag_not_found": lambda: f"needs a {ctx.get('discriminator')} key",
+    }.get(kind)
+    return shown() if shown else error["msg"].removeprefix("Value error, ")
+
+
+def _shown_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -213,7 +213,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
     ("config", "message"),
     [
         ({"optimizer": "dp-sgd", "learning_rate": 0.1}, "learning_rate: unknown key"),
-        ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: Input should be a valid number"),
+        ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: must be a number"),
         ({"optimizer": "dp-sgd", "epochs": [1, 2]}, "epochs"),
         ({"optimizer": "dp-sgd", "epsilon": True}, "epsilon takes no boolean"),
     ],
