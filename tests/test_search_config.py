@@ -613,7 +613,7 @@ BAD_PIPELINES = {
         _set("objectives.1", {"metric": "val_accuracy", "mode": "max"}),
         "must differ",
     ),
-    "unknown-metric": (_set("objectives.1.metric", "test_ece"), "objectives.1.metric: must be one of"),
+    "unknown-metric": (_set("objectives.1.metric", "test_ece"), "objectives.1.metric: must be"),
     "bad-mode": (_set("objectives.1.mode", "minimize"), "objectives.1.mode: must be one of"),
     "wrong-direction": (_set("objectives.0.mode", "min"), "val_accuracy improves by mode max"),
     "unknown-model": (_set("model", "resnet-9000"), "unknown model 'resnet-9000'"),
