@@ -536,7 +536,7 @@ def audit(
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
     from dpivon.config import PRIVATE_OPTIMIZERS
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.privacy.audit import audit_config, run_audit
+    from dpivon.privacy.audit import audit_config, check_canaries, run_audit
     from dpivon.tracking import Tracker
     from dpivon.training import resolve_device
 
@@ -556,6 +556,7 @@ def audit(
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     cfg = audit_config(**config_values)
+    check_canaries(cfg, canaries)
     check_plan_reachable(cfg)
     resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment)

@@ -3,13 +3,14 @@
 An input file must be a regular file of at most :data:`MAX_INPUT_BYTES` (a config is a few
 KB; a bigger one is a mistake, and parsing it would take minutes). An output path must be
 writable: not a directory, not under a regular file, in a folder we may write to; checked
-without creating anything, so a refusal leaves the disk as it was.
+without leaving anything behind (a probe file in the nearest existing folder is removed at
+once), so a refusal leaves the disk as it was.
 """
 
 from __future__ import annotations
 
-import os
 import stat
+import tempfile
 from pathlib import Path
 
 from dpivon.errors import DpivonError
@@ -27,6 +28,13 @@ def _kind(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "no regular file"
+
+
+def _probe(folder: Path) -> None:
+    """Write in ``folder`` for real (root passes every permission check, /proc refuses
+    writes that access() allows); the probe file is gone when this returns."""
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def check_input_file(path: Path, what: str = "file") -> None:
@@ -63,9 +71,8 @@ def check_writable(path: Path, what: str) -> None:
                 f"{what} {path} is under {existing}, which is a file, not a folder; "
                 "give a path in a folder"
             )
-        if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
-            raise DpivonError(f"{what} {path}: no permission to write in {existing}")
-    except OSError as err:  # a name too long, a loop of links
+        _probe(existing if existing.is_dir() else existing.parent)
+    except OSError as err:  # no permission, a read-only or special filesystem, a loop
         raise DpivonError(f"{what} {path} cannot be written: {err.strerror or err}") from None
 
 
@@ -79,7 +86,6 @@ def check_writable_folder(path: Path, what: str) -> None:
         if not existing.is_dir():
             where = "is" if existing == path else f"is under {existing}, which is"
             raise DpivonError(f"{what} {path} {where} a file, not a folder; give a folder")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise DpivonError(f"{what} {path}: no permission to write in {existing}")
+        _probe(existing)
     except OSError as err:
         raise DpivonError(f"{what} {path} cannot be used: {err.strerror or err}") from None

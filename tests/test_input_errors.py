@@ -128,6 +128,8 @@ REFUSALS = {
     "audit epsilon below the floor": (["audit", "--optimizer=dp-sgd", "--epsilon=1e-12"],
                                       "smallest"),
     "audit epsilon 1e308": (["audit", "--optimizer=dp-sgd", "--epsilon=1e308"], "above 1000"),
+    "audit more canaries than parameters": (["audit", "--optimizer=dp-sgd", "--canaries=10000000"],
+                                            "canaries must be in [1, "),
     "export --out a directory": (["export", "any", "--out={tmp}"], "is a directory"),
     "export --out under a file": (["export", "any", "--out={file}/x.yaml"], "which is a file"),
     "pareto --out a directory": (["pareto", "any", "--out={tmp}"], "is a directory"),

@@ -193,12 +193,12 @@ def _bad_layout(tmp_path):
         (["--batch-size", "100000"], "larger than the training set"),
         (["--optimizer", "dp-lion"], "unknown optimizer 'dp-lion'"),
         (["--model", "resnet-9000"], "unknown model 'resnet-9000'"),
-        (["--epsilon", "1e-9", "--epochs", "50"], "cannot be met"),
+        (["--epsilon", "1e-9", "--epochs", "50"], "smallest the rdp accountant reaches"),
         (["--device", "tpu"], "device must be auto, cpu, cuda"),
         (["--seed", "-1"], "seed must be in [0, 2**32)"),
         (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
         (["--experiment", " "], "--experiment must not be empty"),
-        (["--json", "/proc/dpivon.json"], "cannot write --json"),
+        (["--json", "/proc/dpivon.json"], "--json /proc/dpivon.json cannot be written"),
     ],
 )
 def test_bad_input_gives_one_clear_line(tmp_path, args, message):

@@ -23,34 +23,37 @@ shown or described)::
     optimizers:                      # each optimizer once, with its search-space file
       - {name: dp-ivon-gradsq, space: ../search_spaces/quickstart/dp-ivon-gradsq.yaml}
       - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
-    trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
+    trials: 4                        # per optimizer and epsilon (the mean if drawn), 1-10000
     trial_count: fixed               # fixed | poisson | geometric (see trial_counts)
-    concurrency: 2                   # trials in flight sweep-wide, >= 1; null: all resources allow
+    concurrency: 2                   # in flight sweep-wide, 1-4096; null: all resources allow
     resources: {cpu: 1, gpu: 0}      # per trial; gpu may be fractional (0.25)
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: none}
     objectives:                      # exactly two, distinct
       - {metric: val_accuracy, mode: max}
       - {metric: val_ece, mode: min}
     sampler: tpe                     # tpe | nsga2 | random
-    seed: 0                          # data split, training and Optuna seed; >= 0
+    seed: 0                          # data split, training and Optuna seed; in [0, 2**32)
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
                                      # s3://bucket/prefix, gs://..., file:// (search.storage)
-    max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
+    max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
+    #   (neither train: may set a key the optimizer's space sets: the space would win)
 
 A space path is looked up relative to the pipeline file's directory, then relative to the
 current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
 it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metrics among
 ``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min).
 
-Loading validates everything it can without data or Ray: each problem is one
+Loading validates everything it can without data or Ray (a key given twice in the file is
+an error, not the last one winning; files above 1 MiB are refused unread): each problem is one
 :class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes that the
 largest batch size of every space fits the training set, that ``train`` neither repeats a
-key the pipeline owns nor one a space samples, and that every trial the spaces can produce
-(bounds and choices) is a valid TrainConfig with this pipeline's settings.
+key the pipeline owns nor one a space samples, that every epsilon is reachable (at least
+the accountant's floor with the most noise, at most 1000), and that every trial the spaces
+can produce (bounds and choices) is a valid TrainConfig with this pipeline's settings.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ of those values); several names must all match, and a parameter whose condition 
 inactive one is inactive too. An inactive parameter is absent from the trial and keeps
 its default (the optimizer's: ``dpivon.optim.registry``).
 
-Every name is a training config key, flat (``lr``) or a path (``optimizer.lr``), see
+A ``when`` names at least one parameter. Every name is a training config key, each set once
+(``lr`` and ``optimizer.lr`` are one field), flat (``lr``) or a path (``optimizer.lr``), see
 :func:`dpivon.config.config_key`, outside :data:`PIPELINE_OWNED_FIELDS` (a pipeline sets
 ``device`` under ``train:``); or a *switch*: a categorical that some ``when`` names
 (``use_wd``), dropped from the trial's config. Loading checks the whole file and that every

@@ -12,12 +12,12 @@ shown)::
     split_seed: 0                    # the train/validation split, shared by every run
     delta: 1.0e-5
     accountant: rdp
-    methods:                         # distinct names; a name labels tables and plots
+    methods:                         # distinct names (letters, digits, _ . + -) for tables, plots
       - {name: dp-sgd, optimizer: dp-sgd, train: {lr: 2.0, batch_size: 128}}
       - {name: dp-ivon-ema, optimizer: dp-ivon-gradsq,
          train: {curvature_estimator: ema-corrected, lr: 5.0}}
       - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee}
-    concurrency: 2                   # runs in flight at once, >= 1
+    concurrency: 2                   # runs in flight at once, 1-4096
     resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
     run_timeout_s: 21600             # a run still going after this is cancelled, failed
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
