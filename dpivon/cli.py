@@ -58,7 +58,7 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
             sys.exit(err.exit_code)
         except typer.Abort:  # end of input at a prompt, or Ctrl-C
             sys.exit(130)
-        except Exception as err:  # what no command's own handler saw: the option parsing
+        except Exception as err:  # outside any command's handler (parsing, the root callback)
             report_unexpected(err, "dpivon", "")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
@@ -144,11 +144,11 @@ def config_flags(*keys: str, required: tuple[str, ...] = ()) -> Callable[[Callab
             path, info = field_info(key)
             flag_type, choices = _flag_type(info.annotation)
             default = "per optimizer" if info.is_required() else info.default
+            needed = key in required
             help_text = f"{path}" + (f": {choices}" if choices else "")
-            if key not in required:
+            if not needed:
                 help_text += f" [default: {default}]"
             option = typer.Option(help=help_text, show_default=False)
-            needed = key in required
             flags.append(
                 inspect.Parameter(
                     key,

@@ -455,16 +455,11 @@ def _mapping_without_duplicates(loader: _YamlLoader, node: yaml.MappingNode) -> 
         if hashable in seen:
             line = key_node.start_mark.line + 1
             raise DuplicateKeyError(
-                f"key {_shown_key(key)} given twice (line {line}); YAML would silently keep "
+                f"key {_shown_value(key)} given twice (line {line}); YAML would silently keep "
                 "the last value: give it once"
             )
         seen.add(hashable)
     return loader.construct_mapping(node, deep=True)
-
-
-def _shown_key(key: Any) -> str:
-    text = repr(key)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _YamlLoader.add_constructor("tag:yaml.org,2002:map", _mapping_without_duplicates)
