@@ -91,8 +91,8 @@ def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> 
     """:func:`check_reachable` for a private run of ``config`` (at ``batch_size`` if given:
     the largest of a search space), before any data is loaded."""
     batch = config.training.batch_size if batch_size is None else batch_size
-    if batch > config.data.train_size:
-        return  # no sampling rate; the batch check, with the data at hand, says so
+    if not 0 < batch <= config.data.train_size:
+        return  # no sampling rate; the batch checks say what is wrong
     sample_rate, steps_per_epoch = sampling_schedule(config.data.train_size, batch)
     privacy = config.privacy
     steps = config.training.epochs * steps_per_epoch
