@@ -7,6 +7,7 @@ as eps 9.09 by RDP).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import TYPE_CHECKING
@@ -63,6 +64,14 @@ def sampling_schedule(dataset_size: int, batch_size: int) -> tuple[float, int]:
     return batch_size / dataset_size, math.ceil(dataset_size / batch_size)
 
 
+@functools.lru_cache(maxsize=1024)  # a benchmark asks once per run, with a few distinct plans
+def epsilon_floor(sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    """The smallest epsilon the accountant reports for this plan, at Opacus's MAX_SIGMA."""
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": expected here
+        warnings.simplefilter("ignore", UserWarning)
+        return epsilon_spent(MAX_SIGMA, sample_rate, steps, delta, accountant)
+
+
 def check_reachable(
     target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
 ) -> None:
@@ -76,9 +85,7 @@ def check_reachable(
             f"epsilon {target_epsilon:g} is above {MAX_FINITE_EPSILON:g}, where a guarantee "
             "means nothing and noise calibration does not end; use inf for a run without noise"
         )
-    with warnings.catch_warnings():  # "optimal order is the largest alpha": expected here
-        warnings.simplefilter("ignore", UserWarning)
-        floor = epsilon_spent(MAX_SIGMA, sample_rate, steps, delta, accountant)
+    floor = epsilon_floor(sample_rate, steps, delta, accountant)
     if target_epsilon < floor:
         raise DpivonError(
             f"epsilon {target_epsilon:g} is below {floor:.3g}, the smallest the {accountant} "
