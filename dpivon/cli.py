@@ -7,7 +7,6 @@ import inspect
 import json
 import math
 import sys
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -16,14 +15,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
-from dpivon.config import field_info, load_configs, parse_assignments, parse_config
+from dpivon.config import (
+    field_info,
+    format_validation_error,
+    load_configs,
+    parse_assignments,
+    parse_config,
+)
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.paths import check_writable
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -49,8 +56,11 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except click_errors.ClickException as err:
             console.print(f"[bold red]error:[/] {err.format_message()}", highlight=False)
             sys.exit(err.exit_code)
-        except click_errors.Abort:
+        except typer.Abort:  # end of input at a prompt, or Ctrl-C
             sys.exit(130)
+        except Exception as err:  # outside any command's handler (parsing, the root callback)
+            report_unexpected(err, "dpivon", "")
+            sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -64,18 +74,47 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
+# The arguments that name what a command works on, for the line of an unexpected error
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer")
+
+
+def _subject(kwargs: dict[str, Any]) -> str:
+    return next((str(kwargs[n]) for n in _SUBJECTS if kwargs.get(n) is not None), "")
+
+
+def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
+    """One red line for an exception nothing anticipated: the operation, its object, the
+    exception's type and its first line (the traceback is noise to a user)."""
+    lines = str(err).strip().splitlines()
+    what = f"{type(err).__name__}: {lines[0][:500]}" if lines else type(err).__name__
+    on = f" {subject}" if subject else ""
+    console.print(
+        f"[bold red]error:[/] {operation}{on} failed: {what}", highlight=False, soft_wrap=True
+    )
+
+
 def user_errors(command: Callable) -> Callable:
     """Bad input (a DpivonError or the library's other ValueErrors) becomes one red line
-    and exit code 2, never a traceback."""
+    and exit code 2; any other exception one red line naming the command and what it was
+    working on, and exit code 1; never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click_errors.ClickException):
+            raise  # the command's own exit, or a usage error that the group reports
         except ValueError as err:
-            message = " ".join(str(err).split())  # one line, whatever the message holds
+            text = format_validation_error(err) if isinstance(err, ValidationError) else str(err)
+            message = " ".join(text.split())  # one line, whatever the message holds
+            if not isinstance(err, DpivonError):  # a library's: say what it was about
+                subject = _subject(kwargs)
+                message = f"dpivon {command.__name__}{f' {subject}' if subject else ''}: {message}"
             console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except Exception as err:
+            report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -91,10 +130,11 @@ def _flag_type(annotation: Any) -> tuple[type, str]:
     return annotation, ""
 
 
-def config_flags(*keys: str) -> Callable[[Callable], Callable]:
+def config_flags(*keys: str, required: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Give a command one ``--flag`` per flat config key, typed and described by the config
     tree, plus ``--set PATH=VALUE`` for every other option. The command receives the given
-    ones as ``config_values`` (flat keys; None = not given)."""
+    ones as ``config_values`` (flat keys; None = not given). The ``required`` flags are
+    marked so in ``--help``, and their absence is a usage error."""
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command)
@@ -104,14 +144,17 @@ def config_flags(*keys: str) -> Callable[[Callable], Callable]:
             path, info = field_info(key)
             flag_type, choices = _flag_type(info.annotation)
             default = "per optimizer" if info.is_required() else info.default
-            help_text = f"{path}" + (f": {choices}" if choices else "") + f" [default: {default}]"
+            needed = key in required
+            help_text = f"{path}" + (f": {choices}" if choices else "")
+            if not needed:
+                help_text += f" [default: {default}]"
             option = typer.Option(help=help_text, show_default=False)
             flags.append(
                 inspect.Parameter(
                     key,
                     inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[flag_type | None, option],
+                    default=inspect.Parameter.empty if needed else None,
+                    annotation=Annotated[flag_type if needed else flag_type | None, option],
                 )
             )
         assignments = inspect.Parameter(
@@ -201,16 +244,8 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
     an empty experiment name."""
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
-    if json_path is None:
-        return
-    try:
-        if json_path.is_dir():
-            raise IsADirectoryError(f"{json_path} is a folder")
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=json_path.parent):
-            pass
-    except OSError as err:
-        raise DpivonError(f"cannot write --json {json_path}: {err}") from None
+    if json_path is not None:
+        check_writable(json_path, "--json")
 
 
 @app.callback()
@@ -248,6 +283,7 @@ def train(
     ] = False,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
+    from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.tracking import Tracker, log_training_result
     from dpivon.training import NOT_COVERED_METRICS, check_fits, load_data, released_metrics
     from dpivon.training import train as run_training
@@ -259,6 +295,9 @@ def train(
         else [parse_config(overrides, source="options")]
     )
     check_outputs(json_path, experiment)
+    for cfg in configs:  # before any data is read: an epsilon no noise can reach
+        if cfg.is_private:
+            check_plan_reachable(cfg)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
@@ -414,6 +453,9 @@ def pareto(
     from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
+    if out is not None:
+        check_writable(out, "--out")
+        check_writable(out.with_suffix(".html"), "--out")
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
@@ -433,7 +475,9 @@ def pareto(
         if c in front
     ]
     print_front_table(front, state.objectives, extra)
-    out = out or Path(f"{state.name}-pareto.png")
+    if out is None:
+        out = Path(f"{state.name}-pareto.png")
+        check_writable(out, "the plot")
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
     plot_fronts_html(
         trials, state.objectives, out.with_suffix(".html"), f"{state.name}: Pareto fronts"
@@ -468,6 +512,7 @@ def export(
     from dpivon.search.export import departure, export_configs, resolve_sweep, write_configs
     from dpivon.search.sweep import SweepState
 
+    check_writable(out, "--out")
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     objectives = state.objectives
@@ -496,7 +541,7 @@ AUDIT_FLAGS = (
 
 @app.command()
 @user_errors
-@config_flags(*AUDIT_FLAGS)
+@config_flags(*AUDIT_FLAGS, required=("optimizer",))
 def audit(
     config_values: dict[str, Any],
     canaries: Opt[int, typer.Option(help="gradient canaries, each in with probability 1/2")] = 1000,
@@ -513,8 +558,10 @@ def audit(
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
     from dpivon.config import PRIVATE_OPTIMIZERS
-    from dpivon.privacy.audit import audit_config, run_audit
+    from dpivon.privacy.accounting import check_plan_reachable
+    from dpivon.privacy.audit import audit_config, check_canaries, run_audit
     from dpivon.tracking import Tracker
+    from dpivon.training import resolve_device
 
     optimizer = config_values.get("optimizer")
     if optimizer not in PRIVATE_OPTIMIZERS:
@@ -532,6 +579,9 @@ def audit(
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     cfg = audit_config(**config_values)
+    check_canaries(cfg, canaries)
+    check_plan_reachable(cfg)
+    resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")

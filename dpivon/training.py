@@ -182,7 +182,16 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DpivonError(f"device {name!r} requested but CUDA is not available; use cpu or auto")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise DpivonError(
+                f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                "(cuda:0 ...); use one of them, or auto"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DpivonError(f"device {name!r} requested but MPS is not available; use cpu or auto")
+    return device
 
 
 def load_data(config: TrainConfig) -> DataSplits:
@@ -214,9 +223,7 @@ class TrainingSetup:
     private: PrivateTraining | None
 
 
-def check_fits(config: TrainConfig, data: DataSplits) -> None:
-    """A batch no larger than the training set: checked before a run is opened."""
-    n_train = len(data.train)
+def check_batch(config: TrainConfig, n_train: int) -> None:
     if config.training.batch_size > n_train:
         raise DpivonError(
             f"batch size {config.training.batch_size} is larger than the training set "
@@ -224,9 +231,27 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
         )
 
 
+def check_fits(config: TrainConfig, data: DataSplits) -> None:
+    """What would fail once training starts, checked before a run is opened: a batch no
+    larger than the training set, the device, and (private runs) the budget's plan."""
+    n_train = len(data.train)
+    check_batch(config, n_train)
+    resolve_device(config.runtime.device)
+    if config.is_private:
+        plan_privacy(
+            target_epsilon=config.privacy.epsilon,
+            delta=config.privacy.delta,
+            max_grad_norm=config.privacy.max_grad_norm,
+            accountant=config.privacy.accountant,
+            dataset_size=n_train,
+            batch_size=config.training.batch_size,
+            epochs=config.training.epochs,
+        )
+
+
 def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
     """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
-    check_fits(config, data)
+    check_batch(config, len(data.train))
     features, labels = (t.to(device) for t in data.train.tensors)
     n_train = len(labels)
     model = build_model(config.model.name).to(device)

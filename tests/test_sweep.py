@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import ray
 import torch
-from fault_injection import injected_faults, trial_faults_runtime_env
+from fault_injection import KILLED, injected_faults, trial_faults_runtime_env
 from optuna.trial import TrialState
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
@@ -337,6 +337,31 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray)
             assert "InjectedFailure" in child.data.tags["error"]
             # The epoch before the failure was recorded, not lost.
             assert "val_accuracy" in child.data.metrics
+
+
+def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finishes(
+    tmp_path, local_ray
+):
+    """Its worker dies while the trial's actor is created (as when the kernel kills it for
+    memory): Tune reports an error for a trial that never started, and never ran."""
+    spaces = REPO / "search_spaces" / "quickstart"
+    path = write_pipeline(
+        tmp_path, name="killed", max_failures=0, trials=1, epochs=1, scheduler={"type": "none"},
+        optimizers=[{"name": "dp-sgd", "space": str(spaces / "dp-sgd.yaml")},
+                    {"name": "dp-adam", "space": str(spaces / "dp-adam.yaml")}],
+    )  # fmt: skip
+    pipeline = load_pipeline(path)
+    with injected_faults(local_ray, {"dp-sgd": KILLED}):
+        trials = run_sweep(pipeline)
+    by_optimizer = dict(zip(trials.optimizer, trials.status, strict=True))
+    assert by_optimizer == {"dp-sgd": TrialStatus.FAILED, "dp-adam": TrialStatus.COMPLETED}
+    _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["trials_failed"] == 1
+    (killed,) = [c for c in children if c.data.params["optimizer"] == "dp-sgd"]
+    assert killed.info.status == "FAILED"
+    assert killed.data.tags["dpivon.trial_status"] == TrialStatus.FAILED
+    assert not killed.data.metrics  # it never reported
 
 
 def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):

@@ -34,6 +34,7 @@ from opacus.optimizers import DPOptimizer
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
+from dpivon.models import build_model
 from dpivon.privacy.engine import PrivacyPlan
 from dpivon.training import (
     StepCallback,
@@ -156,6 +157,20 @@ def audit_scores(
 _CANARY_STREAM = 0xCA7A_2023  # mixed into the seed: canary randomness is a stream of its own
 
 
+def check_canary_count(count: int, parameters: int) -> None:
+    """Each canary takes a coordinate of its own: at most one per model parameter."""
+    if not 1 <= count <= parameters:
+        raise DpivonError(
+            f"canaries must be in [1, {parameters}] (one coordinate each of the model's "
+            f"{parameters} parameters), got {count}"
+        )
+
+
+def check_canaries(config: TrainConfig, count: int) -> None:
+    """:func:`check_canary_count` for ``config``'s model, before any run is opened."""
+    check_canary_count(count, sum(p.numel() for p in build_model(config.model.name).parameters()))
+
+
 class CanaryInjector:
     """Dirac gradient canaries c_j = norm_j * e_{k_j} on distinct coordinates k_j.
 
@@ -214,11 +229,7 @@ class CanaryInjector:
         ``params``, each included by a fair coin; coins, coordinates and per-step sampling
         come from a generator derived from ``seed`` and used for nothing else."""
         total = sum(p.numel() for p in params)
-        if not 1 <= count <= total:
-            raise DpivonError(
-                f"canaries must be in [1, {total}] (one coordinate each of the model's "
-                f"{total} parameters), got {count}"
-            )
+        check_canary_count(count, total)
         # A stream of its own: the coins must be independent of the run's randomness.
         state = np.random.SeedSequence([seed, _CANARY_STREAM]).generate_state(1, np.uint64)
         generator = torch.Generator().manual_seed(int(state[0]) & (2**63 - 1))

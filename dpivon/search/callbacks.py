@@ -95,6 +95,7 @@ class MlflowTrialLogger(tune.Callback):
         self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
+        self.started: set[str] = set()  # trials whose "start" this driver has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -108,6 +109,7 @@ class MlflowTrialLogger(tune.Callback):
             "tracking_uri": uri,
             "_tracker": None,
             "run_ids": {},
+            "started": set(),
             "pending": [],
             "_retry_at": 0.0,
             "_down_since": None,
@@ -209,6 +211,7 @@ class MlflowTrialLogger(tune.Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
+        self.started.add(trial.trial_id)
         self._queue(
             trial,
             "start",
@@ -240,6 +243,10 @@ class MlflowTrialLogger(tune.Callback):
         self._queue(trial, "end", tags=tags, status="FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        if trial.trial_id not in self.started:
+            # Its actor died before it started (out of memory, a lost node): Tune reports
+            # the error without a start, so the run is opened here, to be closed FAILED.
+            self.on_trial_start(iteration, trials, trial)
         tags = {STATUS_TAG: TrialStatus.FAILED, "error": trial_error(trial)}
         self._queue(trial, "end", tags=tags, status="FAILED")
 

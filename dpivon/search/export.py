@@ -22,7 +22,6 @@ reproducible from a logged seed.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,7 @@ def _composition_cost(storage: SweepStorage, group: str, report: dict, why: str)
             f"sweep in {storage.uri} has no {PRIVATE_TUNING_FILE}; finish it with `dpivon "
             "sweep PIPELINE --resume`, or export the sweep's own pick"
         )
-    facts = json.loads(storage.read_text(PRIVATE_TUNING_FILE))[group]
+    facts = storage.read_json(PRIVATE_TUNING_FILE)[group]
     return {
         **report,
         "quoted_epsilon": facts["composition_epsilon"],
@@ -118,7 +117,7 @@ def tuning_cost(storage: SweepStorage, group: str, departs: str | None = None) -
             f"sweep in {storage.uri} has no {TUNING_FILE}; finish it with `dpivon sweep "
             "PIPELINE --resume` (its tuning cost is part of every exported config)"
         )
-    report = json.loads(storage.read_text(TUNING_FILE)).get(group)
+    report = storage.read_json(TUNING_FILE).get(group)
     if report is None:
         return None
     if departs is not None and "random_trials_epsilon" in report:

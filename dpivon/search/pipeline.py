@@ -23,27 +23,29 @@ shown or described)::
     optimizers:                      # each optimizer once, with its search-space file
       - {name: dp-ivon-gradsq, space: ../search_spaces/quickstart/dp-ivon-gradsq.yaml}
       - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
-    trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
+    trials: 4                        # per optimizer and epsilon (the mean if drawn), 1-10000
     trial_count: fixed               # fixed | poisson | geometric: drawn from OS entropy,
                                      # kept private (see trial_counts)
     # best_by: val_accuracy          # release: best only: the one metric (an objective)
     #                                # that picks the released model; default the first
-    concurrency: 2                   # trials in flight sweep-wide, >= 1; null: all resources allow
+    concurrency: 2                   # in flight sweep-wide, 1-4096; null: all resources allow
     resources: {cpu: 1, gpu: 0}      # per trial; gpu may be fractional (0.25)
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: none}
     objectives:                      # exactly two, distinct
       - {metric: val_accuracy, mode: max}
       - {metric: val_ece, mode: min}
     sampler: tpe                     # tpe | nsga2 | random
-    seed: 0                          # data split, training and Optuna seed; >= 0 (not the
-                                     # random sampler's where the random-trials bound holds)
+    seed: 0                          # data split, training and Optuna seed; in [0, 2**32)
+                                     # (not the random sampler's where the random-trials
+                                     # bound holds)
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
                                      # s3://bucket/prefix, gs://..., file:// (search.storage)
-    max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
+    max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
+    #   (neither train: may set a key the optimizer's space sets: the space would win)
 
 A space path is looked up relative to the pipeline file's directory, then relative to the
 current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
@@ -53,14 +55,16 @@ it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metri
 A non-private optimizer spends no budget, so its trials form one group labelled
 ``eps=inf`` (epsilon inf in its configs and runs) whatever ``epsilons`` lists.
 
-Loading validates everything it can without data or Ray: each problem is one
-:class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes
+Loading validates everything it can without data or Ray (a key given twice in the file is
+an error, not the last one winning; files above 1 MiB are refused unread): each problem is
+one :class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes
 ``delta < 1/N`` for the N training images, that the largest batch size of every space fits
 the training set, that neither ``train`` nor a space sets a key the pipeline owns (the keys
 :meth:`Pipeline.owned_settings` builds for every trial: data, model, epochs, optimizer,
 epsilon, delta, accountant, validation noise, seed, secure mode) and ``train`` repeats none
-a space samples, and that every trial the spaces can produce (bounds and choices) is a valid
-TrainConfig with this pipeline's settings.
+a space samples, that every epsilon is reachable (at least the accountant's floor with the
+most noise, at most 1000), and that every trial the spaces can produce (bounds and choices)
+is a valid TrainConfig with this pipeline's settings.
 """
 
 from __future__ import annotations
@@ -93,10 +97,10 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Count, Float, Int, Probability
+from dpivon.constraints import Bound, Count, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZERS, OptimizerName
-from dpivon.privacy.accounting import check_delta
+from dpivon.privacy.accounting import check_delta, check_plan_reachable
 from dpivon.privacy.tuning import SweepConditions
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
@@ -116,6 +120,13 @@ METRIC_MODES: dict[str, str] = {
     "val_brier": "min",
 }
 _NAME = re.compile(r"[a-z0-9_-]+")
+# Upper bounds of the counts, each with what it protects
+MAX_TRIALS = 10_000
+_TRIALS_WHY = "per group, each trial a whole training run; split a larger search into sweeps"
+MAX_CONCURRENCY = 4096
+CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
+MAX_RETRIES = 100
+_RETRIES_WHY = "retries of one trial; one that failed 100 times will fail again"
 
 
 def group_budget(optimizer: str, epsilon: float) -> float:
@@ -166,7 +177,7 @@ class Resources(_Strict):
 
 class AshaScheduler(_Strict):
     type: Literal["asha"]
-    grace_period: Int = Field(1, ge=1)
+    grace_period: Annotated[Int, Bound(ge=1)] = 1
     reduction_factor: Float = Field(2.0, gt=1)
 
 
@@ -318,22 +329,22 @@ class Pipeline(RunFile):
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
     # release: best: the metric (one of the objectives) that selects the one released model
     best_by: str | None = None
-    validation_noise: Annotated[Float, Field(ge=0)] = (
+    validation_noise: Annotated[Float, Bound(ge=0)] = (
         0.0  # > 0: DP validation scores (val_noise_multiplier)
     )
     optimizers: list[OptimizerEntry] = Field(min_length=1)
-    trials: Int = Field(ge=1)
+    trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
     trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
     # trials in flight at once over the whole sweep (all groups); None: as many as fit
-    concurrency: Int | None = Field(1, ge=1)
+    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
     scheduler: Scheduler = NoScheduler(type="none")
     objectives: list[Objective] = [
         Objective(metric="val_accuracy", mode="max"),
         Objective(metric="val_ece", mode="min"),
     ]
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
-    seed: Annotated[Int, Field(ge=0)] = 0
-    max_failures: Annotated[Int, Field(ge=0)] = 1
+    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
 
@@ -648,14 +659,17 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
     default_batch = pipeline.train.get(
         "batch_size", TrainingConfig.model_fields["batch_size"].default
     )
-    for i, (name, space) in enumerate(pipeline.spaces.items()):
+    for i, (entry, (name, space)) in enumerate(
+        zip(pipeline.optimizers, pipeline.spaces.items(), strict=True)
+    ):
         prefix = f"invalid {where}: optimizers.{i} ({name}, {space.path})"
-        both = [k for k in pipeline.train if k in space.names]
-        if both:
-            raise DpivonError(
-                f"{prefix}: {', '.join(both)} set both under train: and by the search space; "
-                "keep one"
-            )
+        for block, train in (("train:", pipeline.train), (f"optimizers.{i}.train:", entry.train)):
+            both = [k for k in train if k in space.names]
+            if both:
+                raise DpivonError(
+                    f"{prefix}: {', '.join(both)} set both under {block} and by the search "
+                    "space, which would override it; keep one"
+                )
         batch = space.max_value("batch_size")
         batch = default_batch if batch is None else batch
         if isinstance(batch, int | float) and batch > n_train:
@@ -669,12 +683,17 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
                 continue
             base = pipeline.base_train_config(name, eps)
             try:
-                TrainConfig.model_validate(base)
+                config = TrainConfig.model_validate(base)
             except ValidationError as err:
                 raise DpivonError(
                     f"invalid {where}: the trial settings of {name} at epsilon {eps} are not "
                     f"a valid TrainConfig: {format_validation_error(err)}"
                 ) from None
+            if config.is_private and pipeline.epsilons is not None:
+                try:
+                    check_plan_reachable(config, space.max_value("batch_size"))
+                except DpivonError as err:
+                    raise DpivonError(f"{prefix}: epsilons: {err}") from None
             for description, values in space.bound_configs():
                 try:
                     TrainConfig.model_validate({**base, **values})

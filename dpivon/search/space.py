@@ -27,7 +27,8 @@ of those values); several names must all match, and a parameter whose condition 
 inactive one is inactive too. An inactive parameter is absent from the trial and keeps
 its default (the optimizer's: ``dpivon.optim.registry``).
 
-Every name is a training config key, flat (``lr``) or a path (``optimizer.lr``), see
+A ``when`` names at least one parameter. Every name is a training config key, each set once
+(``lr`` and ``optimizer.lr`` are one field), flat (``lr``) or a path (``optimizer.lr``), see
 :func:`dpivon.config.config_key` (a pipeline refuses the keys it sets itself, see
 :meth:`dpivon.search.pipeline.Pipeline.owned_settings`); or a *switch*: a categorical that
 some ``when`` names (``use_wd``), dropped from the trial's config. Loading checks the whole
@@ -325,6 +326,13 @@ def load_search_space(path: str | Path) -> SearchSpace:
                 raise DpivonError(f"{prefix}: {err}, nor a switch that a when names") from None
             if not isinstance(param, CategoricalDistribution):
                 raise DpivonError(f"{prefix}: {err}; a switch must be categorical") from None
+            continue
+        earlier = next((n for n in keys if n != name and keys[n] == keys[name]), None)
+        if earlier is not None:
+            raise DpivonError(
+                f"{prefix}: {name} and {earlier} both set {keys[name]}; a space sets each "
+                "field once, under one name"
+            )
     space = SearchSpace(raw.optimizer, params, conditions, keys, path)
     for description, config in space.bound_configs():
         try:
@@ -351,6 +359,8 @@ def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution,
         spec = spec_type.model_validate({k: v for k, v in value.items() if k != "type"})
     except ValidationError as err:
         raise DpivonError(f"{prefix}: {format_validation_error(err)}") from None
+    if "when" in value and not spec.when:
+        raise DpivonError(f"{prefix}: when is empty; name a parameter and its values, or drop it")
     if isinstance(spec, _Categorical):
         if len({_choice_key(c) for c in spec.choices}) != len(spec.choices):
             got = _shown.repr(spec.choices)

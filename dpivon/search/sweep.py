@@ -103,10 +103,16 @@ class SweepState:
 
     @classmethod
     def load(cls, storage: SweepStorage) -> SweepState:
-        state = json.loads(storage.read_text(STATE_FILE))
-        state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+        state = storage.read_json(STATE_FILE)
         known = {f.name for f in fields(cls)}  # older sweeps also listed their finished groups
-        return cls(**{k: v for k, v in state.items() if k in known})
+        try:
+            state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+            return cls(**{k: v for k, v in state.items() if k in known})
+        except (KeyError, TypeError) as err:
+            raise DpivonError(
+                f"{storage.uri_of(storage.path)}/{STATE_FILE} lacks the sweep's state "
+                f"({type(err).__name__}: {err}); a damaged sweep file"
+            ) from None
 
     def save(self, storage: SweepStorage) -> None:
         storage.write_text(STATE_FILE, json.dumps(self.__dict__, indent=2))  # atomic
@@ -438,6 +444,7 @@ def run_sweep(
     sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = sweep_storage(pipeline)
+    storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     exists = storage.exists(STATE_FILE)
     if exists and not resume:

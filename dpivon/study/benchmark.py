@@ -36,6 +36,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
+from dpivon.paths import check_writable_folder
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
 from dpivon.study.layout import (
@@ -415,6 +416,7 @@ def run_benchmark(
     parent still ends FINISHED, with ``failed_runs`` saying how many, so that ``--resume``
     can complete it later.
     """
+    check_writable_folder(pipeline.directory, "storage_path")
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
