@@ -236,10 +236,17 @@ def train(
     ] = None,
     experiment: Opt[str, typer.Option(help="MLflow experiment")] = "dpivon",
     log_model: Opt[bool, typer.Option(help="log the model (with posterior) to MLflow")] = True,
+    checkpoint: Opt[
+        Path | None,
+        typer.Option(
+            help="save the run's state here after every epoch and, when the file exists, "
+            "resume from it in the same MLflow run (as sensitive as the training data)"
+        ),
+    ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import check_fits, load_data
+    from dpivon.training import EpochCheckpoint, check_fits, load_data
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -255,6 +262,9 @@ def train(
                 f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
             )
     check_outputs(json_path, experiment)
+    if checkpoint is not None and len(configs) > 1:
+        raise DpivonError(f"--checkpoint takes one config; {config} holds {len(configs)}")
+    saved = EpochCheckpoint(checkpoint, configs[0]) if checkpoint is not None else None
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
@@ -263,12 +273,18 @@ def train(
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
-        with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
-            tracker.log_params(run_id, cfg.flat())
-            tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+        resumed = saved.run_id if saved is not None else None
+        with tracker.run(name, tags={"dpivon.kind": "train"}, run_id=resumed) as run_id:
+            if resumed is None:
+                tracker.log_params(run_id, cfg.flat())
+                tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+            else:
+                console.print(f"resuming run {run_id} after epoch {saved.epoch} ({checkpoint})")
 
             def log_epoch(report, run_id=run_id, epochs=cfg.training.epochs) -> None:
                 tracker.log_metrics(run_id, report.metrics, step=report.epoch)
+                if saved is not None:
+                    saved.save(run_id, report.checkpoint())
                 shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
                 console.print(
                     f"epoch {report.epoch}/{epochs} "
@@ -277,7 +293,13 @@ def train(
                 )
 
             with progress_bar(sys.stderr.isatty()) as on_step:
-                result = run_training(cfg, data=data, on_epoch_end=log_epoch, on_step=on_step)
+                result = run_training(
+                    cfg,
+                    data=data,
+                    on_epoch_end=log_epoch,
+                    on_step=on_step,
+                    resume_state=saved.state if saved is not None else None,
+                )
             log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])
