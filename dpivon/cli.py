@@ -273,12 +273,16 @@ def train(
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
-        resumed = saved.run_id if saved is not None else None
+        restored = saved is not None and saved.state is not None
+        resumed = saved.run_id if restored and tracker.has_run(saved.run_id) else None
         with tracker.run(name, tags={"dpivon.kind": "train"}, run_id=resumed) as run_id:
             if resumed is None:
                 tracker.log_params(run_id, cfg.flat())
                 tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
-            else:
+                # a store without the checkpoint's run (moved, or a fresh one): replay its epochs
+                for metrics in saved.state["history"] if restored else []:
+                    tracker.log_metrics(run_id, metrics, step=int(metrics["epoch"]))
+            if restored:
                 console.print(f"resuming run {run_id} after epoch {saved.epoch} ({checkpoint})")
 
             def log_epoch(report, run_id=run_id, epochs=cfg.training.epochs) -> None:

@@ -58,6 +58,15 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [1, 2, 3]  # each epoch logged once
 
+    # the same checkpoint into a store that lacks its run: a new run with the epochs replayed
+    fresh = _train(tmp_path, *flags[:-1], "sqlite:///fresh.db")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert _result(tmp_path / "resumed.json") == _result(tmp_path / "whole.json")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'fresh.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+
     # a checkpoint of another configuration is refused, not resumed
     other = subprocess.run([*DPIVON, *RUN[:-2], "--set", "data.synthetic_size=700", *flags],
                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
