@@ -281,11 +281,24 @@ def train(
         bool,
         typer.Option(help="log a private run's raw training loss too (not covered by its epsilon)"),
     ] = False,
+    checkpoint: Opt[
+        Path | None,
+        typer.Option(
+            help="save the run's state here after every epoch and, when the file exists, "
+            "resume from it in the same MLflow run (as sensitive as the training data)"
+        ),
+    ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import NOT_COVERED_METRICS, check_fits, load_data, released_metrics
+    from dpivon.training import (
+        NOT_COVERED_METRICS,
+        EpochCheckpoint,
+        check_fits,
+        load_data,
+        released_metrics,
+    )
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -298,6 +311,9 @@ def train(
     for cfg in configs:  # before any data is read: an epsilon no noise can reach
         if cfg.is_private:
             check_plan_reachable(cfg)
+    if checkpoint is not None and len(configs) > 1:
+        raise DpivonError(f"--checkpoint takes one config; {config} holds {len(configs)}")
+    saved = EpochCheckpoint(checkpoint, configs[0]) if checkpoint is not None else None
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
@@ -310,13 +326,24 @@ def train(
         if cfg.is_private and log_train_loss:
             tags[NOT_COVERED_TAG] = ", ".join(NOT_COVERED_METRICS)
             console.print(f"[yellow]note:[/] {NOT_COVERED_NOTE}", highlight=False)
-        with tracker.run(name, tags=tags) as run_id:
-            tracker.log_params(run_id, cfg.flat())
-            tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+        restored = saved is not None and saved.state is not None
+        resumed = saved.run_id if restored and tracker.has_run(saved.run_id) else None
+        with tracker.run(name, tags=tags, run_id=resumed) as run_id:
+            if resumed is None:
+                tracker.log_params(run_id, cfg.flat())
+                tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+                # a store without the checkpoint's run (moved, or a fresh one): replay its epochs
+                for epoch in saved.state["history"] if restored else []:
+                    metrics = released_metrics(cfg, epoch, train_loss=log_train_loss)
+                    tracker.log_metrics(run_id, metrics, step=int(epoch["epoch"]))
+            if restored:
+                console.print(f"resuming run {run_id} after epoch {saved.epoch} ({checkpoint})")
 
             def log_epoch(report, run_id=run_id, cfg=cfg) -> None:
                 metrics = released_metrics(cfg, report.metrics, train_loss=log_train_loss)
                 tracker.log_metrics(run_id, metrics, step=report.epoch)
+                if saved is not None:
+                    saved.save(run_id, report.checkpoint())
                 shown = {k: metrics[k] for k in EPOCH_LINE if k in metrics}
                 console.print(
                     f"epoch {report.epoch}/{cfg.training.epochs} "
@@ -325,7 +352,13 @@ def train(
                 )
 
             with progress_bar(sys.stderr.isatty()) as on_step:
-                result = run_training(cfg, data=data, on_epoch_end=log_epoch, on_step=on_step)
+                result = run_training(
+                    cfg,
+                    data=data,
+                    on_epoch_end=log_epoch,
+                    on_step=on_step,
+                    resume_state=saved.state if saved is not None else None,
+                )
             log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])

@@ -199,6 +199,13 @@ class Tracker:
     def run_status(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.status
 
+    def has_run(self, run_id: str) -> bool:
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
+
 
 def _param_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict | list | tuple) else str(value)

@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -374,6 +375,44 @@ def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[di
         setup.private.accountant.load_state_dict(state["accountant"])
     _restore_rng_states(state["rng"], setup)
     return state["epoch"], list(state["history"])
+
+
+class EpochCheckpoint:
+    """A single run's resumable state in one file, rewritten whole after every epoch.
+
+    Holds what ``train(resume_state=...)`` needs, the config it belongs to and the MLflow run
+    it reports to; a file of another config is refused rather than resumed. Like a sweep's
+    checkpoints it holds every generator state: keep it as private as the training data.
+    """
+
+    def __init__(self, path: Path, config: TrainConfig) -> None:
+        self.path, self.config = path, config
+        self.run_id: str | None = None
+        self.state: dict | None = None
+        if path.is_dir():
+            raise DpivonError(f"checkpoint {path} is a directory; name a file")
+        if path.exists():
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as err:  # a truncated or foreign file: say which
+                raise DpivonError(f"checkpoint {path} is unreadable ({err}); delete it") from None
+            if saved.get("config") != config.flat():
+                raise DpivonError(
+                    f"checkpoint {path} is of another run configuration; delete it or point "
+                    "--checkpoint elsewhere"
+                )
+            self.run_id, self.state = saved["mlflow_run_id"], saved["training"]
+
+    @property
+    def epoch(self) -> int:
+        return self.state["epoch"] if self.state is not None else 0
+
+    def save(self, run_id: str, state: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".tmp")
+        payload = {"config": self.config.flat(), "mlflow_run_id": run_id, "training": state}
+        torch.save(payload, partial)
+        partial.replace(self.path)  # atomic: an interrupted save leaves the last epoch's
 
 
 def _posterior(setup: TrainingSetup) -> Posterior | None:

@@ -172,7 +172,7 @@ def test_noise_std_is_sigma_c_over_b_for_every_engine(engine):
 
 
 def test_auto_is_bk_where_exact_and_hooks_elsewhere():
-    for name in ("small-cnn", "tanh-cnn", "wrn-16-4"):
+    for name in ("small-cnn", "tanh-cnn", "tramer-boneh-cnn", "wrn-16-4"):
         assert resolve_engine("auto", build_model(name)) == "bk"
     assert resolve_engine("auto", build_model("small-cnn"), mc_samples=2) == "hooks"
     assert resolve_engine("auto", nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))) == "hooks"

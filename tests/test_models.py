@@ -12,7 +12,13 @@ from dpivon.errors import DpivonError
 from dpivon.models import MODEL_NAMES, build_model
 
 # Exact counts at 10 classes; they pin the architectures documented in the model docstrings.
-EXPECTED_PARAMS = {"small-cnn": 24_458, "tanh-cnn": 551_466, "wrn-16-4": 2_748_890}
+EXPECTED_PARAMS = {
+    "small-cnn": 24_458,
+    "tanh-cnn": 551_466,
+    "tramer-boneh-cnn": 550_570,
+    "wrn-16-4": 2_748_890,
+}
+WITHOUT_NORMALISATION = {"tramer-boneh-cnn"}  # the reference network, as published
 
 
 def _num_params(model: nn.Module) -> int:
@@ -32,7 +38,30 @@ def test_opacus_validator_accepts(name: str) -> None:
 def test_no_batchnorm(name: str) -> None:
     modules = list(build_model(name).modules())
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
-    assert any(isinstance(m, nn.GroupNorm) for m in modules)
+    has_group_norm = any(isinstance(m, nn.GroupNorm) for m in modules)
+    assert has_group_norm == (name not in WITHOUT_NORMALISATION)
+
+
+def test_tramer_boneh_cnn_is_the_reference_network_layer_for_layer() -> None:
+    """ftramer/Handcrafted-DP models.py, CIFAR10_CNN: cfg [32, 32, M, 64, 64, M, 128, 128, M],
+    conv3x3 padding 1 then tanh, max-pool 2, Linear(128 * 4 * 4, 128), tanh, Linear(128, 10)."""
+    layers = [m for m in build_model("tramer-boneh-cnn").modules() if not list(m.children())]
+    shapes = []
+    for layer in layers:
+        if isinstance(layer, nn.Conv2d):
+            assert (layer.kernel_size, layer.padding, layer.stride) == ((3, 3), (1, 1), (1, 1))
+            shapes.append(layer.out_channels)
+        elif isinstance(layer, nn.MaxPool2d):
+            assert layer.kernel_size == 2
+            shapes.append("M")
+        elif isinstance(layer, nn.Linear):
+            shapes.append((layer.in_features, layer.out_features))
+        else:
+            shapes.append(type(layer).__name__)
+    assert shapes == [
+        32, "Tanh", 32, "Tanh", "M", 64, "Tanh", 64, "Tanh", "M", 128, "Tanh", 128, "Tanh", "M",
+        "Flatten", (2048, 128), "Tanh", (128, 10),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -13,6 +13,7 @@ from dpivon.models.wide_resnet import WideResNet
 _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "small-cnn": lambda num_classes: SmallCNN(num_classes),
     "tanh-cnn": lambda num_classes: TanhCNN(num_classes),
+    "tramer-boneh-cnn": lambda num_classes: TanhCNN(num_classes, num_groups=None),
     "wrn-16-4": lambda num_classes: WideResNet(16, 4, num_classes),
 }
 

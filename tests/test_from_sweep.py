@@ -1,0 +1,84 @@
+"""A benchmark whose method comes from a real sweep (`from_sweep`), scaled down: the sweep runs,
+then the benchmark trains, for every seed, the configuration the sweep's pick chose, and its
+report carries the sweep's front and tuning budget."""
+
+from __future__ import annotations
+
+import mlflow
+import ray
+import yaml
+from sweep_helpers import write_pipeline
+
+from dpivon.search.export import export_configs, resolve_sweep
+from dpivon.search.pipeline import load_pipeline
+from dpivon.search.sweep import SweepState, run_sweep
+from dpivon.study.benchmark import run_benchmark
+from dpivon.study.spec import load_benchmark
+
+
+def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
+    smoke = yaml.safe_load(write_pipeline(tmp_path, name="tune").read_text())
+    dp_sgd = [entry for entry in smoke["optimizers"] if entry["name"] == "dp-sgd"]
+    path = write_pipeline(tmp_path, name="tune", epochs=1, trials=3, optimizers=dp_sgd,
+                          scheduler={"type": "none"})
+    spec = {
+        "name": "from-tune",
+        "data": {"dataset": "synthetic", "synthetic_size": 300},
+        "model": "small-cnn",
+        "epochs": 1,
+        "epsilons": [8],
+        "seeds": [0, 1, 2],
+        "methods": [
+            {"name": "dp-sgd-tuned", "optimizer": "dp-sgd", "from_sweep": str(path),
+             "pick": "max-accuracy"},
+            {"name": "dp-sgd-fixed", "optimizer": "dp-sgd", "train": {"lr": 0.5}},
+        ],
+        "concurrency": 2,
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "storage_path": str(tmp_path / "runs"),
+        "train": {"batch_size": 64},
+    }
+    spec_path = tmp_path / "from-tune.yaml"
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        sweep = load_pipeline(path)
+        run_sweep(sweep)
+        folder = resolve_sweep(str(path))
+        ((row, picked),) = export_configs(folder, SweepState.load(folder).objectives,
+                                          "max-accuracy", optimizer="dp-sgd", epsilon=8.0,
+                                          full_data=False, secure_mode=False)
+        benchmark = load_benchmark(spec_path)
+        outcome = run_benchmark(benchmark)
+    finally:
+        ray.shutdown()
+
+    assert not outcome.failed and len(outcome.completed) == 6
+    assert benchmark.tuning_trials == {("dp-sgd-tuned", 8.0): 3}
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name(benchmark.experiment)
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    tuned = [r for r in runs if r.data.params.get("method") == "dp-sgd-tuned"]
+    assert len(tuned) == 3
+    for run in tuned:  # the sweep's pick, on the benchmark's data and epochs, a seed each
+        params = run.data.params
+        assert float(params["lr"]) == picked.optimizer.lr
+        assert float(params["max_grad_norm"]) == picked.privacy.max_grad_norm
+        assert params["synthetic_size"] == "300" and params["epochs"] == "1"
+        assert run.data.metrics["epsilon_spent"] <= 8.0 + 1e-6
+    assert len({r.data.params["seed"] for r in tuned}) == 3
+    # the pick is a trial of the best validation accuracy, read from the sweep's own runs
+    sweep_runs = client.search_runs(
+        [client.get_experiment_by_name(sweep.experiment).experiment_id], max_results=100
+    )
+    trials = [r for r in sweep_runs if "mlflow.parentRunId" in r.data.tags]
+    best = max(r.data.metrics["val_accuracy"] for r in trials)
+    assert len(trials) == 3 and row["val_accuracy"] == best
+    assert picked.optimizer.lr in {
+        float(r.data.params["lr"]) for r in trials if r.data.metrics["val_accuracy"] == best
+    }
+    parent = next(r for r in runs if r.data.tags.get("dpivon.kind") == "benchmark")
+    report = (benchmark.directory / "report" / "report.md").read_text()
+    assert "Pareto fronts of the tuning sweeps" in report
+    assert parent.info.status == "FINISHED"
