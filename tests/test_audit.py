@@ -16,10 +16,7 @@ from mlflow.tracking import MlflowClient
 from opacus.optimizers import DPOptimizer
 from typer.testing import CliRunner
 
-from dpivon.cli import app
-from dpivon.config import PRIVATE_OPTIMIZERS, PrivacyConfig
-from dpivon.errors import DpivonError
-from dpivon.privacy.audit import (
+from dpivon.audit import (
     CanaryInjector,
     audit_config,
     audit_scores,
@@ -29,6 +26,9 @@ from dpivon.privacy.audit import (
     p_value,
     run_audit,
 )
+from dpivon.cli import app
+from dpivon.config import PRIVATE_OPTIMIZERS, PrivacyConfig
+from dpivon.errors import DpivonError
 from dpivon.training import build_training, load_data, train_step
 
 CPU = torch.device("cpu")
