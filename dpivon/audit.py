@@ -175,10 +175,11 @@ class Canaries:
     model's trainable parameters (flat indices into them, concatenated in order), each in
     the run by its fair coin ``included[j]``.
 
-    Why Dirac: distinct coordinates make the canaries orthogonal, so a canary's score
-    <g_dp, c_j> = norm_j * g_dp[k_j] carries no cross-talk from the other canaries (random
-    directions would each add about C / sqrt(P) of every other sampled canary) and only
-    the isotropic DP noise and the data's own gradient on k_j compete with the signal.
+    Why Dirac: distinct coordinates make the canaries orthogonal, so the coordinate g_dp[k_j]
+    a canary is scored on carries no cross-talk from the other canaries (random directions
+    would each add about C / sqrt(P) of every other sampled canary) and only the isotropic
+    DP noise and the data's own gradient on k_j compete with the signal. Clipping keeps the
+    direction: a clipped canary adds exactly C e_{k_j}, an unclipped one norm_j e_{k_j}.
     """
 
     coordinates: Tensor  # (m,) long
@@ -230,8 +231,9 @@ class CanaryExamples:
     the Poisson sampler's population, their gradients clipped by the engine with the
     batch's, scored on the privatised gradient.
 
-    Use: `attach` to the run's private training, then for every batch the sampler yields,
-    `take` the canary rows out before the training step (the data rows go on as usual).
+    Built on a run's private training, it enrolls in its sampler and hooks its engine; then
+    for every batch the sampler yields, `take` the canary rows out before the training step
+    (the data rows go on as usual).
     """
 
     def __init__(self, canaries: Canaries, private: PrivateTraining) -> None:

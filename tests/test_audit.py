@@ -366,6 +366,18 @@ def test_cli_writes_the_audit_json_and_logs_it_to_mlflow(tmp_path):
     assert "audit.json" in artifacts
 
 
+def test_cli_exits_1_on_a_violation_and_still_writes_the_audit(tmp_path, monkeypatch):
+    unclipped_bookkeeping(monkeypatch)
+    out, uri = tmp_path / "audit.json", f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["audit", "--optimizer", "dp-sgd", "--epsilon", "2", "--epochs", "2"]
+    args += ["--canaries", "1000", "--device", "cpu", "--json", str(out), "--tracking-uri", uri]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "privacy violation: epsilon >=" in result.output
+    summary = json.loads(out.read_text())
+    assert summary["epsilon_lower_bound"] > summary["claimed_epsilon"] == 2.0
+
+
 @pytest.mark.parametrize(
     "flags",
     [
