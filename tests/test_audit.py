@@ -303,6 +303,18 @@ def test_audit_flags_a_broken_privacy_path(optimizer, mutation, monkeypatch):
         assert result.real.mean_times_sampled == result.steps
 
 
+def test_audit_flags_a_missing_clip_in_opacus_hooks(monkeypatch):
+    def sum_unclipped(self: DPOptimizer) -> None:
+        for p in self.params:
+            p.summed_grad = p.grad_sample.sum(0)
+
+    monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", sum_unclipped)
+    config = audit_config(optimizer="dp-sgd", engine="hooks", **MUTATION_AUDIT)
+    result = run_audit(config, 1000)
+    assert result.real.epsilon_lower_bound > 2.0
+    assert any("above the claimed 2" in v for v in result.violations())
+
+
 def test_audit_refuses_what_it_cannot_audit():
     with pytest.raises(DpivonError, match="not private"):
         run_audit(audit_config(optimizer="sgd"), 10)
