@@ -1,4 +1,6 @@
 # Two commands do all the set-up: `make quickstart` (the main job) and `make test`.
+# `make clean` deletes the results (MLflow store, sweep folders) to start over; the venv stays
+# (`make clean-venv` removes it).
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +9,7 @@ STAMP := $(VENV)/.installed
 DPIVON_DATA ?= $(firstword $(wildcard ../shared/data/cifar10-jpeg.tar.gz))
 export DPIVON_DATA
 
-.PHONY: quickstart test lint venv ui clean
+.PHONY: quickstart test lint venv ui clean clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +19,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The quickstart's sweep state (pipelines/quickstart.yaml: storage_path dpivon-runs).
+QUICKSTART_STATE := dpivon-runs/quickstart/sweep.json
+
+# Run again, the quickstart resumes its sweep: a finished one trains nothing and prints its
+# front again; an interrupted one finishes.
 quickstart: $(STAMP)
-	$(BIN)/dpivon sweep pipelines/quickstart.yaml
+	@if [ -e $(QUICKSTART_STATE) ]; then \
+	    echo "make quickstart: resuming the quickstart sweep of $(QUICKSTART_STATE) (to start over: make clean)"; \
+	    $(BIN)/dpivon sweep pipelines/quickstart.yaml --resume; \
+	else \
+	    $(BIN)/dpivon sweep pipelines/quickstart.yaml; \
+	fi
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -28,4 +40,7 @@ ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
 
 clean:
-	rm -rf $(VENV) mlflow.db mlartifacts dpivon-runs
+	rm -rf mlflow.db mlartifacts dpivon-runs
+
+clean-venv:
+	rm -rf $(VENV)

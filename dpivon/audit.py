@@ -43,6 +43,7 @@ from torch import Tensor
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
+from dpivon.models import build_model
 from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PER_SAMPLE_ENGINES, PrivacyPlan, PrivateTraining
 from dpivon.privacy.sampling import PoissonBatches
@@ -169,6 +170,20 @@ _CANARY_STREAM = 0xCA7A_2023  # mixed into the seed: canary randomness is a stre
 CANARY_NORM_IN_CLIPS = 10.0
 
 
+def check_canary_count(count: int, parameters: int) -> None:
+    """Each canary takes a coordinate of its own: at most one per model parameter."""
+    if not 1 <= count <= parameters:
+        raise DpivonError(
+            f"canaries must be in [1, {parameters}] (one coordinate each of the model's "
+            f"{parameters} parameters), got {count}"
+        )
+
+
+def check_canaries(config: TrainConfig, count: int) -> None:
+    """:func:`check_canary_count` for ``config``'s model, before any run is opened."""
+    check_canary_count(count, sum(p.numel() for p in build_model(config.model.name).parameters()))
+
+
 @dataclass(frozen=True)
 class Canaries:
     """Dirac gradient canaries c_j = norm_j * e_{k_j} on distinct coordinates k_j of the
@@ -191,11 +206,7 @@ class Canaries:
         """``count`` canaries of L2 norm ``norm`` on random distinct coordinates of
         ``parameters`` ones, each included by a fair coin; coins and coordinates come from
         a generator derived from ``seed`` and used for nothing else."""
-        if not 1 <= count <= parameters:
-            raise DpivonError(
-                f"canaries must be in [1, {parameters}] (one coordinate each of the model's "
-                f"{parameters} parameters), got {count}"
-            )
+        check_canary_count(count, parameters)
         # A stream of its own: the coins must be independent of the run's randomness.
         state = np.random.SeedSequence([seed, _CANARY_STREAM]).generate_state(1, np.uint64)
         generator = torch.Generator().manual_seed(int(state[0]) & (2**63 - 1))

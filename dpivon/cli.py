@@ -7,7 +7,6 @@ import inspect
 import json
 import math
 import sys
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -16,14 +15,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
-from dpivon.config import field_info, load_configs, parse_assignments, parse_config
+from dpivon.config import (
+    field_info,
+    format_validation_error,
+    load_configs,
+    parse_assignments,
+    parse_config,
+)
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.paths import check_writable
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -49,8 +56,11 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except click_errors.ClickException as err:
             console.print(f"[bold red]error:[/] {err.format_message()}", highlight=False)
             sys.exit(err.exit_code)
-        except click_errors.Abort:
+        except typer.Abort:  # end of input at a prompt, or Ctrl-C
             sys.exit(130)
+        except Exception as err:  # outside any command's handler (parsing, the root callback)
+            report_unexpected(err, "dpivon", "")
+            sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -64,18 +74,47 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
+# The arguments that name what a command works on, for the line of an unexpected error
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer")
+
+
+def _subject(kwargs: dict[str, Any]) -> str:
+    return next((str(kwargs[n]) for n in _SUBJECTS if kwargs.get(n) is not None), "")
+
+
+def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
+    """One red line for an exception nothing anticipated: the operation, its object, the
+    exception's type and its first line (the traceback is noise to a user)."""
+    lines = str(err).strip().splitlines()
+    what = f"{type(err).__name__}: {lines[0][:500]}" if lines else type(err).__name__
+    on = f" {subject}" if subject else ""
+    console.print(
+        f"[bold red]error:[/] {operation}{on} failed: {what}", highlight=False, soft_wrap=True
+    )
+
+
 def user_errors(command: Callable) -> Callable:
     """Bad input (a DpivonError or the library's other ValueErrors) becomes one red line
-    and exit code 2, never a traceback."""
+    and exit code 2; any other exception one red line naming the command and what it was
+    working on, and exit code 1; never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click_errors.ClickException):
+            raise  # the command's own exit, or a usage error that the group reports
         except ValueError as err:
-            message = " ".join(str(err).split())  # one line, whatever the message holds
+            text = format_validation_error(err) if isinstance(err, ValidationError) else str(err)
+            message = " ".join(text.split())  # one line, whatever the message holds
+            if not isinstance(err, DpivonError):  # a library's: say what it was about
+                subject = _subject(kwargs)
+                message = f"dpivon {command.__name__}{f' {subject}' if subject else ''}: {message}"
             console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except Exception as err:
+            report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -91,10 +130,11 @@ def _flag_type(annotation: Any) -> tuple[type, str]:
     return annotation, ""
 
 
-def config_flags(*keys: str) -> Callable[[Callable], Callable]:
+def config_flags(*keys: str, required: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Give a command one ``--flag`` per flat config key, typed and described by the config
     tree, plus ``--set PATH=VALUE`` for every other option. The command receives the given
-    ones as ``config_values`` (flat keys; None = not given)."""
+    ones as ``config_values`` (flat keys; None = not given). The ``required`` flags are
+    marked so in ``--help``, and their absence is a usage error."""
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command)
@@ -104,14 +144,17 @@ def config_flags(*keys: str) -> Callable[[Callable], Callable]:
             path, info = field_info(key)
             flag_type, choices = _flag_type(info.annotation)
             default = "per optimizer" if info.is_required() else info.default
-            help_text = f"{path}" + (f": {choices}" if choices else "") + f" [default: {default}]"
+            needed = key in required
+            help_text = f"{path}" + (f": {choices}" if choices else "")
+            if not needed:
+                help_text += f" [default: {default}]"
             option = typer.Option(help=help_text, show_default=False)
             flags.append(
                 inspect.Parameter(
                     key,
                     inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[flag_type | None, option],
+                    default=inspect.Parameter.empty if needed else None,
+                    annotation=Annotated[flag_type if needed else flag_type | None, option],
                 )
             )
         assignments = inspect.Parameter(
@@ -188,6 +231,12 @@ EPOCH_LINE = (
 
 
 Opt = Annotated
+# The tag that marks a private run's metrics its epsilon does not cover (--log-train-loss)
+NOT_COVERED_TAG = "dpivon.not_covered"
+NOT_COVERED_NOTE = (
+    "--log-train-loss: the raw training loss is logged; it is computed on the raw batches, "
+    "so the run's epsilon does not cover it (tagged dpivon.not_covered)"
+)
 
 
 def check_outputs(json_path: Path | None, experiment: str) -> None:
@@ -195,16 +244,8 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
     an empty experiment name."""
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
-    if json_path is None:
-        return
-    try:
-        if json_path.is_dir():
-            raise IsADirectoryError(f"{json_path} is a folder")
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=json_path.parent):
-            pass
-    except OSError as err:
-        raise DpivonError(f"cannot write --json {json_path}: {err}") from None
+    if json_path is not None:
+        check_writable(json_path, "--json")
 
 
 @app.callback()
@@ -236,10 +277,15 @@ def train(
     ] = None,
     experiment: Opt[str, typer.Option(help="MLflow experiment")] = "dpivon",
     log_model: Opt[bool, typer.Option(help="log the model (with posterior) to MLflow")] = True,
+    log_train_loss: Opt[
+        bool,
+        typer.Option(help="log a private run's raw training loss too (not covered by its epsilon)"),
+    ] = False,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
+    from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import check_fits, load_data
+    from dpivon.training import NOT_COVERED_METRICS, check_fits, load_data, released_metrics
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -248,13 +294,10 @@ def train(
         if config is not None
         else [parse_config(overrides, source="options")]
     )
-    epsilon = overrides.get("epsilon")
-    for cfg in configs:
-        if not cfg.is_private and epsilon is not None and not math.isinf(epsilon):
-            console.print(
-                f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
-            )
     check_outputs(json_path, experiment)
+    for cfg in configs:  # before any data is read: an epsilon no noise can reach
+        if cfg.is_private:
+            check_plan_reachable(cfg)
     datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
@@ -263,15 +306,20 @@ def train(
     summaries = []
     for cfg, data in zip(configs, datasets, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
-        with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
+        tags = {"dpivon.kind": "train"}
+        if cfg.is_private and log_train_loss:
+            tags[NOT_COVERED_TAG] = ", ".join(NOT_COVERED_METRICS)
+            console.print(f"[yellow]note:[/] {NOT_COVERED_NOTE}", highlight=False)
+        with tracker.run(name, tags=tags) as run_id:
             tracker.log_params(run_id, cfg.flat())
             tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
 
-            def log_epoch(report, run_id=run_id, epochs=cfg.training.epochs) -> None:
-                tracker.log_metrics(run_id, report.metrics, step=report.epoch)
-                shown = {k: report.metrics[k] for k in EPOCH_LINE if k in report.metrics}
+            def log_epoch(report, run_id=run_id, cfg=cfg) -> None:
+                metrics = released_metrics(cfg, report.metrics, train_loss=log_train_loss)
+                tracker.log_metrics(run_id, metrics, step=report.epoch)
+                shown = {k: metrics[k] for k in EPOCH_LINE if k in metrics}
                 console.print(
-                    f"epoch {report.epoch}/{epochs} "
+                    f"epoch {report.epoch}/{cfg.training.epochs} "
                     + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
                     highlight=False,
                 )
@@ -338,9 +386,10 @@ def sweep(
             highlight=False,
         )
         raise typer.Exit(stop.exit_code) from None
-    counts = trials["status"].value_counts().to_dict()
+    # a trial count the random-trials bound keeps private is not printed either
+    counts = "" if loaded.hides_trial_count else f": {trials['status'].value_counts().to_dict()}"
     console.print(
-        f"sweep {loaded.name!r} finished: {counts}; results in "
+        f"sweep {loaded.name!r} finished{counts}; results in "
         f"{sweep_storage(loaded).uri}; open the MLflow UI with `make ui`"
     )
 
@@ -404,10 +453,16 @@ def pareto(
     from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
+    if out is not None:
+        check_writable(out, "--out")
+        check_writable(out.with_suffix(".html"), "--out")
     directory = resolve_sweep(sweep_ref)
     state = SweepState.load(directory)
     trials, front = load_results(directory)
-    extra = [
+    # the group's budget is the front's `epsilon`; under total_epsilon a trial spent less
+    spent = "trial_epsilon" in front and (front["trial_epsilon"] != front["epsilon"]).any()
+    extra = ["trial_epsilon"] if spent else []
+    extra += [
         c
         for c in (
             "test_accuracy",
@@ -420,7 +475,9 @@ def pareto(
         if c in front
     ]
     print_front_table(front, state.objectives, extra)
-    out = out or Path(f"{state.name}-pareto.png")
+    if out is None:
+        out = Path(f"{state.name}-pareto.png")
+        check_writable(out, "the plot")
     plot_fronts_png(trials, state.objectives, out, f"{state.name}: Pareto fronts")
     plot_fronts_html(
         trials, state.objectives, out.with_suffix(".html"), f"{state.name}: Pareto fronts"
@@ -435,7 +492,13 @@ def export(
         str, typer.Argument(metavar="SWEEP", help="sweep folder or URI, pipeline file or name")
     ],
     out: Opt[Path, typer.Option(help="YAML file for `dpivon train --config`")],
-    pick: Opt[str, typer.Option(help="knee, max-accuracy, min-ece or pareto")] = "knee",
+    pick: Opt[
+        str | None,
+        typer.Option(
+            help="knee, max-accuracy, min-ece or pareto [default: the sweep's release pick "
+            "(release: best), else knee]"
+        ),
+    ] = None,
     optimizer: Opt[str | None, typer.Option(help="only this optimizer's front")] = None,
     epsilon: Opt[float | None, typer.Option(help="only this epsilon's front")] = None,
     epochs: Opt[int | None, typer.Option(help="production epochs (default: the sweep's)")] = None,
@@ -446,11 +509,16 @@ def export(
     ] = True,
 ) -> None:
     """Write the chosen Pareto-optimal configurations as production training configs."""
-    from dpivon.search.export import export_configs, resolve_sweep, write_configs
+    from dpivon.search.export import departure, export_configs, resolve_sweep, write_configs
     from dpivon.search.sweep import SweepState
 
+    check_writable(out, "--out")
     directory = resolve_sweep(sweep_ref)
-    objectives = SweepState.load(directory).objectives
+    state = SweepState.load(directory)
+    objectives = state.objectives
+    if (note := departure(directory, pick)) is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    pick = pick or state.release_pick or "knee"
     picked = export_configs(
         directory,
         objectives,
@@ -473,7 +541,7 @@ AUDIT_FLAGS = (
 
 @app.command()
 @user_errors
-@config_flags(*AUDIT_FLAGS)
+@config_flags(*AUDIT_FLAGS, required=("optimizer",))
 def audit(
     config_values: dict[str, Any],
     canaries: Opt[int, typer.Option(help="gradient canaries, each in with probability 1/2")] = 1000,
@@ -490,9 +558,11 @@ def audit(
     noise than accounted (a privacy violation).
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
-    from dpivon.audit import audit_config, run_audit
+    from dpivon.audit import audit_config, check_canaries, run_audit
     from dpivon.config import PRIVATE_OPTIMIZERS
+    from dpivon.privacy.accounting import check_plan_reachable
     from dpivon.tracking import Tracker
+    from dpivon.training import resolve_device
 
     optimizer = config_values.get("optimizer")
     if optimizer not in PRIVATE_OPTIMIZERS:
@@ -510,6 +580,9 @@ def audit(
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     cfg = audit_config(**config_values)
+    check_canaries(cfg, canaries)
+    check_plan_reachable(cfg)
+    resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
@@ -550,6 +623,55 @@ def audit(
         f"{result.noise_ratio:.0%} of the accounted",
         highlight=False,
     )
+
+
+@app.command()
+@user_errors
+def predict(
+    model_uri: Opt[
+        str,
+        typer.Argument(help="an MLflow model: runs:/RUN_ID/model, models:/NAME/VERSION, a path"),
+    ],
+    images: Opt[
+        list[Path], typer.Argument(help="PNG/JPEG files, folders of them, .npy batches")
+    ],
+    json_output: Opt[bool, typer.Option("--json", help="print every column as JSON")] = False,
+    bma_samples: Opt[
+        int | None,
+        typer.Option(min=0, help="posterior draws (IVON family; 0: the mean) [default: the model]"),
+    ] = None,
+    seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
+    cifar_normalised: Opt[
+        bool, typer.Option(help="a .npy batch of floats already CIFAR-normalised")
+    ] = False,
+    tracking_uri: Opt[
+        str | None, typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)")
+    ] = None,
+) -> None:
+    """Classify images with a logged model: class, probability, entropy (and, for the IVON
+    family, the mutual information across posterior draws) per image."""
+    from dpivon.data.images import read_images
+    from dpivon.tracking import load_pyfunc
+
+    names, batch = read_images(images)  # bad files fail before the model loads
+    model = load_pyfunc(model_uri, tracking_uri)
+    params = {"seed": seed, "cifar_normalised": cifar_normalised}
+    if bma_samples is not None:
+        params["bma_samples"] = bma_samples
+    rows = model.predict(batch, params=params)
+    rows.insert(0, "file", names)
+    if json_output:  # full precision: the answer of a served model compares equal
+        print(json.dumps(rows.to_dict("records"), indent=2))
+        return
+    numbers = [c for c in ("probability", "entropy", "mutual_information") if c in rows]
+    table = Table(title=f"{model_uri}: {len(rows)} image(s)")
+    for column in ("file", "class", *numbers):
+        table.add_column(column, justify="left" if column in ("file", "class") else "right")
+    for row in rows.to_dict("records"):
+        table.add_row(
+            row["file"], f"{row['label']} ({row['class']})", *(f"{row[c]:.4f}" for c in numbers)
+        )
+    Console(width=200).print(table)
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,10 +35,10 @@ from dpivon.constraints import (
     Bool,
     Bound,
     Count,
+    FinitePositiveFloat,
     Float,
     Int,
     NonNegativeFloat,
-    PositiveFloat,
     Probability,
 )
 from dpivon.errors import DpivonError
@@ -49,6 +50,7 @@ from dpivon.optim.registry import (
     OptimizerOptions,
     optimizer_options,
 )
+from dpivon.paths import check_input_file
 
 __all__ = [  # the optimizer names are the registry's, re-exported for config users
     "FLAT_KEYS",
@@ -165,7 +167,7 @@ class PrivacyConfig(Section):
 
     epsilon: Annotated[Float, Bound(gt=0)] = 8.0  # inf: no noise
     delta: Probability = 1e-5
-    max_grad_norm: PositiveFloat = 1.0  # the per-example clip norm C
+    max_grad_norm: FinitePositiveFloat = 1.0  # the per-example clip norm C
     accountant: Literal["rdp", "prv"] = "rdp"
     # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
     # (book-keeping) where it is exact for the model and one MC sample, else Opacus hooks.
@@ -240,6 +242,20 @@ def _retired(key: Any, value: Any) -> bool:
     )
 
 
+def _no_budget_without_noise(optimizer: str, privacy: Any) -> None:
+    """A non-private optimizer's epsilon is inf (what it spends); a finite one would be
+    logged and quoted as a budget that no noise backs, so it is an error."""
+    if not isinstance(privacy, dict):
+        return  # validation says it is no mapping
+    epsilon = privacy.setdefault("epsilon", math.inf)
+    number = isinstance(epsilon, int | float) and not isinstance(epsilon, bool)
+    if number and math.isfinite(epsilon):
+        raise ValueError(
+            f"{optimizer} is not private (it adds no noise), so epsilon {epsilon:g} would be "
+            "a claim nothing backs; omit epsilon (it is inf) or use a private optimizer (dp-...)"
+        )
+
+
 def config_key(name: str) -> str:
     """The flat key that ``name`` (a flat key such as ``lr`` or a path such as
     ``optimizer.lr``) denotes; ValueError naming the closest keys when there is none."""
@@ -279,8 +295,19 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
             raise DpivonError(f"--set {assignment}: {err}") from None
         except yaml.YAMLError:
             raise DpivonError(f"--set {assignment}: {text!r} is not a YAML value") from None
+        if value is None and not _takes_null(flat):
+            raise DpivonError(
+                f"--set {assignment}: {field_info(flat)[0]} has no null value; give a value, "
+                "or leave it out for the default"
+            )
         values[flat] = value
     return values
+
+
+def _takes_null(key: str) -> bool:
+    """Whether null is a value of the field (``data_path: null``: the default location)."""
+    annotation = field_info(key)[1].annotation
+    return annotation is None or type(None) in typing.get_args(annotation)
 
 
 class TrainConfig(BaseModel):
@@ -336,6 +363,8 @@ class TrainConfig(BaseModel):
             tree["optimizer"] = {
                 k: v for k, v in options.items() if k in fields or not _retired(k, v)
             }
+            if spec is not None and not spec.private:
+                _no_budget_without_noise(name, tree.setdefault("privacy", {}))
         return tree
 
     @field_validator("optimizer", mode="before")
@@ -427,6 +456,29 @@ class _YamlLoader(yaml.SafeLoader):
     """
 
 
+class DuplicateKeyError(ValueError):
+    """A mapping names a key twice; YAML would silently keep the last value."""
+
+
+def _mapping_without_duplicates(loader: _YamlLoader, node: yaml.MappingNode) -> dict:
+    seen: set[Any] = set()  # the keys written here; a merged (<<) one may be overridden
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        # True == 1 in Python, not in a file; a list key (allowed by YAML) by its text
+        hashable = (type(key) is bool, key if isinstance(key, Hashable) else repr(key))
+        if hashable in seen:
+            line = key_node.start_mark.line + 1
+            raise DuplicateKeyError(
+                f"key {_shown_value(key)} given twice (line {line}); YAML would silently keep "
+                "the last value: give it once"
+            )
+        seen.add(hashable)
+    return loader.construct_mapping(node, deep=True)
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:map", _mapping_without_duplicates)
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
@@ -442,14 +494,15 @@ _YamlLoader.add_implicit_resolver(
 
 def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
-    if not path.is_file():
-        raise DpivonError(f"file not found: {path}")
+    check_input_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as err:
         raise DpivonError(f"cannot read {path} as UTF-8 text: {err}") from None
     try:
         return yaml.load(text, Loader=_YamlLoader)
+    except DuplicateKeyError as err:
+        raise DpivonError(f"{path} is not valid YAML: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -467,10 +520,8 @@ def format_validation_error(err: ValidationError) -> str:
         # sections and union members are noise in a location: `optimizer.lr`, not
         # `optimizer.function-after[...].lr`
         loc = [str(x) for x in e["loc"] if not str(x).startswith(("function-", "tagged-union"))]
-        message = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
+        message = _our_wording(e)
+        if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
             message = (
                 f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "
                 "reads yes/no/on/off as booleans; write the value itself)"
@@ -480,3 +531,43 @@ def format_validation_error(err: ValidationError) -> str:
         where = ".".join(loc)
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
+
+
+def _our_wording(error: Any) -> str:
+    """One pydantic error in our words (what the value must be, what it was), without
+    pydantic's phrasing ("Input should be ...") or its documentation links."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    got = f", got {_shown_value(error.get('input'))}" if "input" in error else ""
+    shown = {
+        "extra_forbidden": lambda: "unknown key",
+        "missing": lambda: "required",
+        "invalid_key": lambda: f"keys must be text{got}",
+        "int_type": lambda: f"must be a whole number{got}",
+        "int_from_float": lambda: f"must be a whole number{got}",
+        "int_parsing": lambda: f"must be a whole number{got}",
+        "float_type": lambda: f"must be a number{got}",
+        "float_parsing": lambda: f"must be a number{got}",
+        "finite_number": lambda: f"must be a finite number{got}",
+        "bool_type": lambda: f"must be true or false{got}",
+        "string_type": lambda: f"must be text{got}",
+        "string_too_short": lambda: "must not be empty",
+        "literal_error": lambda: f"must be one of {ctx.get('expected')}{got}",
+        "dict_type": lambda: f"must be a mapping of keys to values{got}",
+        "model_type": lambda: f"must be a mapping of keys to values{got}",
+        "model_attributes_type": lambda: f"must be a mapping of keys to values{got}",
+        "list_type": lambda: f"must be a list{got}",
+        "too_short": lambda: f"needs at least {ctx.get('min_length')} item(s){got}",
+        "too_long": lambda: f"takes at most {ctx.get('max_length')} item(s)",
+        "greater_than": lambda: f"must be > {ctx.get('gt')}{got}",
+        "greater_than_equal": lambda: f"must be >= {ctx.get('ge')}{got}",
+        "less_than": lambda: f"must be < {ctx.get('lt')}{got}",
+        "less_than_equal": lambda: f"must be <= {ctx.get('le')}{got}",
+        "union_tag_invalid": lambda: f"type must be one of {ctx.get('expected_tags')}{got}",
+        "union_tag_not_found": lambda: f"needs a {ctx.get('discriminator')} key",
+    }.get(kind)
+    return shown() if shown else error["msg"].removeprefix("Value error, ")
+
+
+def _shown_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

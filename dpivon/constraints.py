@@ -21,6 +21,7 @@ class _Interval:
     lt: float | None = None
     le: float | None = None
     shown: str | None = None  # the interval as the message shows it, e.g. "[0, 2**32)"
+    why: str | None = None  # why the bound is there, for the message
 
     def text(self) -> str:
         if self.shown is not None:
@@ -47,7 +48,8 @@ class _Interval:
 
     def __call__(self, value: Any, info: ValidationInfo) -> Any:
         if value is not None and not self.holds(value):
-            raise ValueError(f"{info.field_name} must be {self.text()}, got {value!r}")
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"{info.field_name} must be {self.text()}{why}, got {value!r}")
         return value
 
 
@@ -58,9 +60,11 @@ def Bound(
     lt: float | None = None,
     le: float | None = None,
     shown: str | None = None,
+    why: str | None = None,
 ) -> AfterValidator:
-    """A field's interval; None passes (an unset option that takes a default)."""
-    return AfterValidator(_Interval(gt, ge, lt, le, shown))
+    """A field's interval; None passes (an unset option that takes a default). ``why``
+    says in the message what an upper bound protects."""
+    return AfterValidator(_Interval(gt, ge, lt, le, shown, why))
 
 
 # Strict types: YAML reads `yes` as True and pydantic would take it for the number 1.
@@ -68,6 +72,9 @@ Float = StrictFloat
 Int = StrictInt
 Bool = StrictBool
 PositiveFloat = Annotated[StrictFloat, Bound(gt=0)]
+# A clip norm or a learning rate: inf would mean no clipping (unbounded sensitivity) or a
+# step that diverges at once, so neither can train a private model.
+FinitePositiveFloat = Annotated[StrictFloat, Bound(gt=0, lt=math.inf, shown="finite and > 0")]
 NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]

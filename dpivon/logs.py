@@ -20,6 +20,10 @@ def quiet_known_output() -> None:
         warnings.filterwarnings("ignore", message=f".*{message}")
     # progress bars for kilobyte-sized artifact copies only clutter the logs
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # MLflow sets its own loggers' level from this variable when it is first imported (after
+    # this call, in the CLI): INFO lines such as "Validating input example against model
+    # signature" or "Creating initial MLflow database tables" tell a user nothing to do
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     # dp_accounting warns for every fractional Renyi order whose series does not converge at
     # large sampling rates; it drops those orders, which only loosens the bound

@@ -1,5 +1,6 @@
 """MLflow "model from code" entry point: logged with every dpivon model, so loading one runs
-this file (importing the installed dpivon) instead of unpickling a Python object."""
+this file instead of unpickling a Python object. It imports dpivon from the model's own
+``code/`` folder (logged with it) unless the loading process has dpivon imported already."""
 
 import mlflow
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import urllib.error
@@ -16,23 +17,28 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import numpy as np
+import pandas as pd
 import torch
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import LoggedModelStatus, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
-from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
+from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
 from dpivon.config import TrainConfig
+from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE
+from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError
-from dpivon.evaluation import Posterior, predict_bma, predict_probs
+from dpivon.evaluation import Posterior
 from dpivon.metrics import plot_reliability_diagram
 from dpivon.models import build_model
+from dpivon.prediction import predict_with_uncertainty, predictions_frame
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
@@ -169,6 +175,12 @@ class Tracker:
         for start in range(0, len(items), _MAX_BATCH):
             self.client.log_batch(run_id, metrics=items[start : start + _MAX_BATCH])
 
+    def log_changed_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Only the metrics whose latest value on the run differs, or that it lacks: logging
+        the same conclusions again (a resumed finished sweep) adds nothing to their history."""
+        recorded = self.client.get_run(run_id).data.metrics
+        self.log_metrics(run_id, {k: v for k, v in metrics.items() if recorded.get(k) != v}, step)
+
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
@@ -221,33 +233,101 @@ def load_checkpoint(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Pos
     return config, model, posterior
 
 
-class PosteriorClassifier(mlflow.pyfunc.PythonModel):
-    """MLflow pyfunc: CIFAR-normalised float images (N, 3, 32, 32) -> class probabilities.
+def load_pyfunc(model_uri: str, tracking_uri: str | None = None) -> mlflow.pyfunc.PyFuncModel:
+    """A logged model (``runs:/RUN_ID/model``, ``models:/NAME/VERSION``, a path), or one line
+    saying why it cannot be loaded."""
+    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    except (MlflowException, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise DpivonError(f"cannot load the model {model_uri}: {first_line[:300]}") from None
 
-    For the IVON family the prediction is BMA over the stored posterior (``bma_samples``
-    draws, seeded, overridable with ``params={"bma_samples": n}``); otherwise the point
-    prediction.
+
+class PosteriorClassifier(mlflow.pyfunc.PythonModel):
+    """MLflow pyfunc: a batch of images -> one row per image with the class, its
+    probability, the predictive entropy, the mutual information across posterior draws
+    (IVON family) and every class's probability (:func:`dpivon.prediction.predictions_frame`).
+
+    Images as people have them: uint8 (or any integer) pixels 0-255, or floats in [0, 1],
+    (N, 32, 32, 3) or (N, 3, 32, 32); the CIFAR normalisation happens here. Tensors already
+    normalised as in training: ``params={"cifar_normalised": True}``. For the IVON family the
+    prediction is BMA over ``bma_samples`` posterior draws (``params={"bma_samples": n}``;
+    0: at the mean), drawn from a generator seeded by ``seed``, so that one input gives one
+    answer wherever it is served; otherwise the point prediction.
     """
+
+    # The model checks its input itself (dpivon.data.images: two dtypes, two layouts), which
+    # MLflow's type-hint validation cannot express; without this MLflow warns at every import.
+    _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
         self.config, self.model, self.posterior = load_checkpoint(context.artifacts["checkpoint"])
         self.model.eval()
 
-    def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> np.ndarray:
-        images = torch.as_tensor(np.asarray(model_input, dtype=np.float32))
-        samples = int((params or {}).get("bma_samples", self.config.evaluation.bma_samples))
-        if self.posterior is None or samples == 0:
-            return predict_probs(self.model, images).numpy()
-        generator = torch.Generator().manual_seed(self.config.runtime.seed)
-        return predict_bma(self.model, self.posterior, images, samples, generator=generator).numpy()
+    def predict(self, context, model_input, params: dict | None = None) -> pd.DataFrame:
+        params = {**_default_params(self.config), **(params or {})}
+        try:
+            images = model_input_tensor(
+                np.asarray(model_input), cifar_normalised=bool(params["cifar_normalised"])
+            )
+        except DpivonError as err:  # served: a 400 answer with this one line, not a 500
+            raise MlflowException.invalid_parameter_value(str(err)) from None
+        generator = torch.Generator().manual_seed(int(params["seed"]))
+        predictions = predict_with_uncertainty(
+            self.model, self.posterior, images, int(params["bma_samples"]), generator=generator
+        )
+        return predictions_frame(predictions, CIFAR10_CLASSES)
 
 
-def _model_signature(config: TrainConfig) -> ModelSignature:
+# The seed of the BMA draws at prediction time: a constant, not the training's seed.
+PREDICTION_SEED = 0
+# What the logged model imports (dpivon itself travels as code with it), pinned at log time.
+MODEL_REQUIREMENTS = (
+    "torch", "mlflow", "numpy", "pandas", "pydantic", "pyyaml", "matplotlib", "pillow", "rich",
+)  # fmt: skip
+
+
+def _default_params(config: TrainConfig) -> dict[str, Any]:
+    return {
+        "bma_samples": config.evaluation.bma_samples,
+        "seed": PREDICTION_SEED,
+        "cifar_normalised": False,
+    }
+
+
+def pinned_requirements() -> list[str]:
+    """``name==version`` of each package the model imports, as installed here, where it
+    was trained."""
+    return [f"{name}=={metadata.version(name)}" for name in MODEL_REQUIREMENTS]
+
+
+def _model_signature(config: TrainConfig, posterior: Posterior | None) -> ModelSignature:
+    """Outputs and parameters; no input schema: MLflow's tensor schema admits one dtype
+    exactly, and the model takes both integer and float images (checked in the model)."""
+    columns = [ColSpec("long", "class"), ColSpec("string", "label")]
+    columns += [ColSpec("double", name) for name in ("probability", "entropy")]
+    if posterior is not None:
+        columns.append(ColSpec("double", "mutual_information"))
+    columns += [ColSpec("double", f"prob_{name}") for name in CIFAR10_CLASSES]
+    defaults = _default_params(config)
     return ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, 32, 32))]),
-        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 10))]),
-        params=ParamSchema([ParamSpec("bma_samples", "long", config.evaluation.bma_samples)]),
+        inputs=None,
+        outputs=Schema(columns),
+        params=ParamSchema(
+            [
+                ParamSpec("bma_samples", "long", defaults["bma_samples"]),
+                ParamSpec("seed", "long", defaults["seed"]),
+                ParamSpec("cifar_normalised", "boolean", defaults["cifar_normalised"]),
+            ]
+        ),
     )
+
+
+INPUT_CONTRACT = (
+    "a batch of images, (N, 32, 32, 3) or (N, 3, 32, 32): integers are 0-255 pixels, floats "
+    "are pixels in [0, 1] (or CIFAR-normalised, with the parameter cifar_normalised=true)"
+)
 
 
 def log_model(
@@ -257,22 +337,39 @@ def log_model(
     model: torch.nn.Module,
     posterior: Posterior | None,
 ) -> None:
-    """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model"."""
+    """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model",
+    with the dpivon code it runs and the pinned packages it imports."""
     status = tracker.run_status(run_id)
+    package = Path(__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
         save_checkpoint(checkpoint, config, model, posterior)
+        code = Path(tmp) / "code" / package.name  # the package without its bytecode caches
+        shutil.copytree(package, code, ignore=shutil.ignore_patterns("__pycache__"))
         with mlflow.start_run(run_id=run_id):
             mlflow.pyfunc.log_model(
                 name="model",
-                python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                python_model=str(package / "mlflow_model.py"),
                 artifacts={"checkpoint": str(checkpoint)},
-                signature=_model_signature(config),
-                input_example=np.zeros((1, 3, 32, 32), dtype=np.float32),
-                pip_requirements=["dpivon", "torch", "mlflow"],
+                code_paths=[str(code)],
+                signature=_model_signature(config, posterior),
+                input_example=(
+                    np.zeros((2, *IMAGE_SHAPE), dtype=np.uint8),
+                    {"bma_samples": min(config.evaluation.bma_samples, 2)},
+                ),
+                pip_requirements=pinned_requirements(),
+                metadata={"input": INPUT_CONTRACT},
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.
     tracker.client.update_run(run_id, status=status)
+
+
+def has_logged_model(tracker: Tracker, run_id: str) -> bool:
+    """Whether the run has a model logged in full (a resume logs a missing one only)."""
+    models = tracker.client.search_logged_models(
+        [tracker.experiment_id], filter_string=f"source_run_id = '{run_id}'"
+    )
+    return any(m.status == LoggedModelStatus.READY for m in models)
 
 
 def log_training_result(tracker: Tracker, run_id: str, result, *, with_model: bool = True) -> None:

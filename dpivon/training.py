@@ -35,9 +35,28 @@ from dpivon.privacy.engine import (
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
 
+# Metrics computed on raw training batches: a private run's epsilon does not cover them.
+NOT_COVERED_METRICS = ("train_loss",)
+
+
+def released_metrics(
+    config: TrainConfig, metrics: dict[str, float], *, train_loss: bool = False
+) -> dict[str, float]:
+    """What a run logs of one epoch's ``metrics``: a private run's raw training loss only
+    when asked (``train_loss``; the caller marks it as not covered by the run's epsilon)."""
+    if not config.is_private or train_loss:
+        return dict(metrics)
+    return {k: v for k, v in metrics.items() if k not in NOT_COVERED_METRICS}
+
+
+def parameters_finite(model: nn.Module) -> bool:
+    """Divergence as a private run may see it: from the parameters (post-processing of the
+    privatised gradients), never from the raw batch loss, which is not DP."""
+    return bool(torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all())
+
 
 class TrainingDiverged(DpivonError):
-    """The loss became NaN or infinite. ``privacy`` holds the mechanism of the planned run
+    """The parameters became NaN or infinite. ``privacy`` holds the mechanism of the planned run
     (noise_multiplier, sample_rate, steps: all of it, the conservative count) for private
     runs: a diverged trial spent budget too, and the tuning cost must count it."""
 
@@ -163,7 +182,16 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DpivonError(f"device {name!r} requested but CUDA is not available; use cpu or auto")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise DpivonError(
+                f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                "(cuda:0 ...); use one of them, or auto"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DpivonError(f"device {name!r} requested but MPS is not available; use cpu or auto")
+    return device
 
 
 def load_data(config: TrainConfig) -> DataSplits:
@@ -195,9 +223,7 @@ class TrainingSetup:
     private: PrivateTraining | None
 
 
-def check_fits(config: TrainConfig, data: DataSplits) -> None:
-    """A batch no larger than the training set: checked before a run is opened."""
-    n_train = len(data.train)
+def check_batch(config: TrainConfig, n_train: int) -> None:
     if config.training.batch_size > n_train:
         raise DpivonError(
             f"batch size {config.training.batch_size} is larger than the training set "
@@ -205,9 +231,27 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
         )
 
 
+def check_fits(config: TrainConfig, data: DataSplits) -> None:
+    """What would fail once training starts, checked before a run is opened: a batch no
+    larger than the training set, the device, and (private runs) the budget's plan."""
+    n_train = len(data.train)
+    check_batch(config, n_train)
+    resolve_device(config.runtime.device)
+    if config.is_private:
+        plan_privacy(
+            target_epsilon=config.privacy.epsilon,
+            delta=config.privacy.delta,
+            max_grad_norm=config.privacy.max_grad_norm,
+            accountant=config.privacy.accountant,
+            dataset_size=n_train,
+            batch_size=config.training.batch_size,
+            epochs=config.training.epochs,
+        )
+
+
 def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
     """Model, optimizer and batches for ``config``, private ones wired through Opacus."""
-    check_fits(config, data)
+    check_batch(config, len(data.train))
     features, labels = (t.to(device) for t in data.train.tensors)
     n_train = len(labels)
     model = build_model(config.model.name).to(device)
@@ -392,11 +436,11 @@ def train(
         losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
         for x, y in setup.loader:
             loss = train_step(setup, x.to(device), y.to(device), config.optimizer.samples_per_step)
-            if len(y) and not math.isfinite(loss):
+            if not parameters_finite(setup.model):
                 plan = setup.private.plan if setup.private is not None else None
                 raise TrainingDiverged(
-                    f"training diverged at epoch {epoch}: loss is {loss}; lower the "
-                    f"learning rate (lr={config.optimizer.lr})",
+                    f"training diverged at epoch {epoch}: the parameters are no longer "
+                    f"finite; lower the learning rate (lr={config.optimizer.lr})",
                     privacy={
                         "noise_multiplier": plan.noise_multiplier,
                         "sample_rate": plan.sample_rate,
@@ -409,7 +453,7 @@ def train(
             step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
             scheduler.step()
             done += 1
-            report_step(f"epoch {epoch} loss {loss:.3f}")
+            report_step(f"epoch {epoch}")
 
         posterior = _posterior(setup)
         val = _validation_scores(config, setup, _evaluate(config, setup, data.val, posterior))

@@ -35,6 +35,11 @@ import boto3
 import pytest
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# The shared CIFAR-10 copy: $DPIVON_DATA (.ci/run sets it), else beside the checkout.
+CIFAR10_TARBALL = Path(
+    os.environ.get("DPIVON_DATA")
+    or Path(__file__).resolve().parents[2] / "shared/data/cifar10-jpeg.tar.gz"
+)
 BIN = Path(sys.executable).parent
 _names = itertools.count()
 _gone = contextlib.suppress(ProcessLookupError)  # the process group has already exited

@@ -5,7 +5,10 @@ retry tests need. Production code has no such hook; tests install it.
 - In Ray trial workers: start Ray with ``runtime_env=trial_faults_runtime_env(path)``; then,
   inside ``with injected_faults(path, {"dp-sgd": 1}):``, every dp-sgd trial raises after
   its epoch 1. Only the attempt that trains that epoch fails: a retry resumed from the
-  epoch's checkpoint goes on, like after a transient crash.
+  epoch's checkpoint goes on, like after a transient crash. With ``{"dp-sgd": KILLED}``
+  the worker process of every dp-sgd trial dies while its actor is created, before the
+  trial starts (as when the kernel kills it for memory): Tune reports an error for a
+  trial that never started.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FAULTS_FILE_ENV = "DPIVON_TEST_FAULTS_FILE"
+KILLED = "killed before start"
 
 
 class InjectedFailure(RuntimeError):
@@ -39,19 +43,31 @@ def install() -> None:
     """Ray's ``worker_process_setup_hook``: wrap the trials' training so that it reads the
     faults file at every trial start (a file, so a test can change the faults while the
     workers live)."""
-    from dpivon.search import trial
+    from ray.tune.trainable.function_trainable import FunctionTrainable
 
-    real_train = trial.train
+    from dpivon.search import trial
+    from dpivon.search.groups import GROUP_KEY
+
+    real_train, real_setup = trial.train, FunctionTrainable.setup
     faults_file = Path(os.environ[FAULTS_FILE_ENV])
 
+    def faults() -> dict:
+        return json.loads(faults_file.read_text()) if faults_file.exists() else {}
+
     def train(config, *, on_epoch_end=None, **kwargs):
-        faults = json.loads(faults_file.read_text()) if faults_file.exists() else {}
-        epoch = faults.get(config.optimizer.name)
-        if epoch is not None:
+        epoch = faults().get(config.optimizer.name)
+        if isinstance(epoch, int):
             on_epoch_end = fail_after(epoch, on_epoch_end)
         return real_train(config, on_epoch_end=on_epoch_end, **kwargs)
 
+    def setup(self, config, *args, **kwargs):  # in the trial actor's creation
+        killed = [name for name, fault in faults().items() if fault == KILLED]
+        if any(str(config.get(GROUP_KEY, "")).endswith(f"-{name}") for name in killed):
+            os._exit(1)  # no exception, no clean-up: the process is gone
+        return real_setup(self, config, *args, **kwargs)
+
     trial.train = train
+    FunctionTrainable.setup = setup
 
 
 def trial_faults_runtime_env(faults_file: Path) -> dict:
@@ -67,8 +83,9 @@ def trial_faults_runtime_env(faults_file: Path) -> dict:
 
 
 @contextmanager
-def injected_faults(faults_file: Path, faults: dict[str, int]) -> Iterator[None]:
-    """Within the block, trials of each named optimizer fail after the given epoch."""
+def injected_faults(faults_file: Path, faults: dict[str, int | str]) -> Iterator[None]:
+    """Within the block, trials of each named optimizer fail after the given epoch, or
+    are killed before they start (:data:`KILLED`)."""
     faults_file.write_text(json.dumps(faults))
     try:
         yield

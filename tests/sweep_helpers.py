@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,40 @@ def runs_of(tmp_path: Path, experiment: str) -> tuple[mlflow.MlflowClient, list,
 def sweep_folder(pipeline: Pipeline) -> Path:
     """The local folder of a sweep of :func:`write_pipeline`."""
     return Path(sweep_storage(pipeline).path)
+
+
+PLOTS = (".png", ".html")  # rendered again by a resume; not compared byte for byte
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` but the plots, by relative path."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.suffix not in PLOTS
+    }
+
+
+def store_snapshot(tmp_path: Path, experiment: str, results: Path) -> dict[str, Any]:
+    """Everything a sweep or benchmark left under ``tmp_path``: the result folder's files,
+    and in MLflow every run's status, tags, params and whole metric histories (so a value
+    logged twice shows), the artifact files, the logged models."""
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    found = client.get_experiment_by_name(experiment)
+    runs = {}
+    for run in client.search_runs([found.experiment_id], max_results=1000):
+        histories = {
+            key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+            for key in run.data.metrics
+        }
+        runs[run.info.run_id] = (run.info.status, run.data.tags, run.data.params, histories)
+    models = sorted(
+        (m.model_id, m.source_run_id, m.name, str(m.status))
+        for m in client.search_logged_models([found.experiment_id])
+    )
+    return {
+        "results": file_hashes(results),
+        "artifacts": file_hashes(tmp_path / "mlartifacts"),
+        "runs": runs,
+        "models": models,
+    }

@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 import yaml
+from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -212,7 +213,7 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "train": {"lr": -1}}]},
-            "lr must be > 0",
+            "lr must be finite and > 0",
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "from_sweep": "nowhere"}]},
@@ -227,6 +228,16 @@ def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: invalid benchmark")
     assert message in result.output
+
+
+def test_a_non_private_method_runs_at_eps_inf_only(tmp_path):
+    """sgd spends no budget: its runs are labelled inf, never epsilon 8."""
+    methods = [{"name": "sgd", "optimizer": "sgd"}, {"name": "dp-sgd", "optimizer": "dp-sgd"}]
+    pipeline = load_benchmark(write_benchmark(tmp_path, methods=methods, epsilons=[8]))
+    sgd = [r for r in pipeline.runs if r.method == "sgd"]
+    assert len(sgd) == 3 and {r.epsilon for r in sgd} == {math.inf}
+    assert {r.config.privacy.epsilon for r in sgd} == {math.inf}
+    assert {r.epsilon for r in pipeline.runs if r.method == "dp-sgd"} == {8.0}
 
 
 def fake_sweep(tmp_path, name: str, trials_per_group: int, lr: float):
@@ -398,3 +409,17 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
             assert child.info.end_time == ended[child.info.run_id]  # untouched
     history = client.get_metric_history(interrupted.info.run_id, "val_accuracy")
     assert len(history) >= 1 and np.isfinite([m.value for m in history]).all()
+
+
+def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark):
+    """The report is built from the MLflow record alone: resumed twice, a finished benchmark
+    trains nothing and leaves its files (plots aside), runs, metric histories and artifacts
+    as they were."""
+    tmp_path, pipeline, _ = finished_benchmark
+    before = store_snapshot(tmp_path, pipeline.experiment, pipeline.directory)
+    for _ in range(2):
+        result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
+        assert result.exit_code == 0, result.output
+        assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
+        assert store_snapshot(tmp_path, pipeline.experiment, pipeline.directory) == before
+    assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])

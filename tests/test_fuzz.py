@@ -6,20 +6,28 @@ files) and `dpivon train` / `sweep` / `export` command lines. Every input loads 
 DpivonError whose message is one line (naming the file it read); never another exception,
 never a hang (a 20 s deadline per example, a timeout per test). A command line that must be
 rejected before training exits non-zero with one line, no traceback, and no MLflow run.
-Derandomized, without an example database: every CI run tries the same ~1,500 inputs.
+Structure-aware mutations of every shipped pipeline, space and benchmark file, and command
+lines drawn from each command's own options, join them. Derandomized, without an example
+database: every CI run tries the same ~2,000 inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
+import math
+import os
 import sqlite3
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import optuna
 import pytest
+import typer
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from optuna.distributions import CategoricalDistribution
@@ -30,6 +38,7 @@ from dpivon.config import TrainConfig, load_configs, parse_config
 from dpivon.errors import DpivonError
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.space import load_search_space
+from dpivon.study.spec import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE = ROOT / "search_spaces/quickstart/dp-sgd.yaml"
@@ -583,3 +592,208 @@ def test_found_a_batch_larger_than_the_data_is_rejected_before_the_run(workdir):
 
 def test_found_a_flag_value_of_the_wrong_type_is_a_one_line_error(workdir):
     assert_rejected(workdir, ["train", "--epochs=x"])
+
+
+# -- structure-aware mutations of every shipped file -----------------------------------------
+
+SHIPPED_SPACES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
+SHIPPED_PIPELINES = sorted(p for p in (ROOT / "pipelines").glob("*.yaml")
+                           if not p.name.startswith("benchmark-"))  # fmt: skip
+SHIPPED_BENCHMARKS = sorted((ROOT / "pipelines").glob("benchmark-*.yaml"))
+SHIPPED = (
+    *((load_search_space, p) for p in SHIPPED_SPACES),
+    *((load_pipeline, p) for p in SHIPPED_PIPELINES),
+    *((load_benchmark, p) for p in SHIPPED_BENCHMARKS),
+)
+# Values a mutation puts anywhere in a file's tree
+ODD_VALUES = st.one_of(
+    st.sampled_from((None, True, False, 0, -1, 1, 2**63, 10**6, 1e-12, 1e308, -0.5)),
+    st.sampled_from((math.inf, math.nan, "", "x y", "a/b", "-x", "../..", "null", [], {})),
+    st.sampled_from(([1, 2], {"type": "float"}, {"when": {}}, [None], "1e-6", "dp-sgd")),
+)
+DUPLICATE = "@DUPLICATE@"  # a key written twice in the same mapping (see _emit)
+
+
+def _shipped_tree(path: Path) -> Any:
+    """The file's tree, with a pipeline's space paths made absolute (it is loaded from
+    another folder)."""
+    tree = yaml.safe_load(path.read_text())
+    for entry in tree.get("optimizers", []) if isinstance(tree, dict) else []:
+        entry["space"] = str((path.parent / entry["space"]).resolve())
+    return tree
+
+
+def _locations(tree: Any, at: tuple = ()) -> list[tuple]:
+    """Every place in the tree: the keys and indices leading to each node."""
+    places = [at]
+    children = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(
+        tree, list) else ()  # fmt: skip
+    for key, child in children:
+        places += _locations(child, (*at, key))
+    return places
+
+
+def _parent(tree: Any, place: tuple) -> Any:
+    for key in place[:-1]:
+        tree = tree[key]
+    return tree
+
+
+@st.composite
+def mutated_shipped_file(draw: st.DrawFn) -> tuple[Callable, str, str]:
+    """(loader, kind of the last mutation, YAML text): a shipped file with one to three
+    changes, each dropping, replacing, renaming or duplicating one node of its tree."""
+    load, path = draw(st.sampled_from(SHIPPED))
+    tree = _shipped_tree(path)
+    kind = ""
+    for _ in range(draw(st.sampled_from((1, 1, 2, 3)))):
+        places = [p for p in _locations(tree) if p]
+        if not places:  # everything dropped already
+            break
+        place = draw(st.sampled_from(places))
+        parent, key = _parent(tree, place), place[-1]
+        kind = draw(st.sampled_from(("drop", "set", "set", "rename", "duplicate")))
+        if kind == "drop":
+            del parent[key]
+        elif kind == "set":
+            parent[key] = copy.deepcopy(draw(ODD_VALUES))  # shared by every example
+        elif isinstance(parent, dict) and kind == "rename":
+            parent[f"{key}s"] = parent.pop(key)  # a near miss: epsilon -> epsilons
+        elif isinstance(parent, dict) and isinstance(key, str):  # duplicate
+            twin = draw(st.one_of(st.just(parent[key]), ODD_VALUES))
+            parent[f"{key}{DUPLICATE}"] = copy.deepcopy(twin)
+        else:
+            kind = "drop"
+            del parent[key]
+    return load, kind, _emit(tree)
+
+
+def _emit(tree: Any) -> str:
+    text = yaml.safe_dump(tree, sort_keys=False, default_flow_style=False, width=10**6)
+    return text.replace(DUPLICATE, "")
+
+
+@fuzz(250)
+@given(case=mutated_shipped_file())
+def test_a_mutated_shipped_file_loads_or_fails_in_one_line(workdir, case):
+    load, kind, text = case
+    path = workdir / "mutated.yaml"
+    path.write_text(text)
+    try:
+        load(path)
+    except DpivonError as err:
+        assert_one_line(err, path)
+        return
+    # silent acceptances: a key given twice, or a near-miss name of a key
+    assert kind not in ("duplicate", "rename"), f"accepted a {kind}d key:\n{text}"
+
+
+# Changes that no loader may accept, each with the words its refusal must use
+MUST_REFUSE = {
+    "epsilon below every reachable one": ("epsilons", [1e-12], "smallest"),
+    "epsilon 1e308": ("epsilons", [1e308], "above 1000"),
+    "trials unbounded": ("trials", 10**7, "trials must be in"),
+    "concurrency unbounded": ("concurrency", 10**7, "concurrency must be in"),
+    "name with a slash": ("name", "a/b", "name"),
+}
+
+
+@fuzz(100)
+@given(
+    load_path=st.sampled_from([(load_pipeline, p) for p in SHIPPED_PIPELINES]
+                              + [(load_benchmark, p) for p in SHIPPED_BENCHMARKS]),
+    change=st.sampled_from(sorted(MUST_REFUSE)),
+    also=st.lists(st.sampled_from(("experiment", "epochs", "delta")), unique=True, max_size=2),
+)  # fmt: skip
+def test_a_shipped_run_file_refuses_each_invalid_change(workdir, load_path, change, also):
+    load, source = load_path
+    key, value, words = MUST_REFUSE[change]
+    tree = _shipped_tree(source)
+    if key == "trials" and load is load_benchmark:
+        key, words = "concurrency", "concurrency must be in"  # a benchmark has no trials
+    tree[key] = value
+    for other in also:  # harmless changes alongside
+        harmless = {"experiment": "fuzz", "epochs": tree.get("epochs", 10) + 1, "delta": 1e-6}
+        tree[other] = harmless[other]
+    path = workdir / "must-refuse.yaml"
+    path.write_text(_emit(tree))
+    with pytest.raises(DpivonError) as info:
+        load(path)
+    assert_one_line(info.value, path)
+    assert words in str(info.value), str(info.value)
+
+
+# -- command lines from each command's own options -----------------------------------------
+
+COMMANDS = {name: command for name, command in typer.main.get_command(app).commands.items()}
+
+
+def _value_pool(workdir: Path) -> list[str]:
+    fifo = workdir / "fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    regular = workdir / "regular.txt"
+    regular.write_text("lr: 0.1\n")
+    return [
+        *("0", "-1", "1", "2", "8", "0.5", "1e-12", "1e308", "nan", "inf", "-inf", "99999999999"),
+        *("dp-sgd", "dp-adam", "dp-ivon-gradsq", "synthetic", "cifar10", "small-cnn", "cpu"),
+        *("cuda", "cuda:9", "mps", "rdp", "prv", "knee", "pareto", "", "x y", "a/b", "-"),
+        *("lr=null", "lr=0.5", "optimizer.lr=2", "epochs=null", "x=1", "lr", "="),
+        *(str(workdir), str(regular), f"{regular}/under", "/dev/null", str(fifo), "nowhere"),
+        *(str(p) for p in (*SHIPPED_PIPELINES, *SHIPPED_BENCHMARKS, *SHIPPED_SPACES[:2])),
+        "sqlite://", "foo://bar", "http://127.0.0.1:1",
+    ]
+
+
+@st.composite
+def command_line(draw: st.DrawFn, pool: list[str]) -> list[str]:
+    """A command and some of its own options and arguments, with values from ``pool``."""
+    name = draw(st.sampled_from(sorted(COMMANDS)))
+    args = [name]
+    params = COMMANDS[name].params
+    for param in params:
+        if param.param_type_name == "argument":
+            args.append(draw(st.sampled_from(pool)))
+    chosen = draw(st.lists(st.sampled_from([p for p in params if p.opts[0].startswith("--")]),
+                           max_size=4))  # fmt: skip
+    for param in chosen:
+        if param.is_flag:
+            args.append(draw(st.sampled_from([*param.opts, *param.secondary_opts])))
+        else:
+            args.append(f"{param.opts[0]}={draw(st.sampled_from(pool))}")
+    return args
+
+
+class _Reached(Exception):
+    """A command got past every check to where it would train, run or write."""
+
+
+# Where each command would start work: reaching one of these means it accepted the input
+WORK_STARTS = ("dpivon.training.load_data", "dpivon.tracking.Tracker",
+               "dpivon.search.sweep.run_sweep", "dpivon.study.benchmark.run_benchmark")  # fmt: skip
+
+
+@fuzz(160)
+@given(data=st.data())
+def test_a_command_line_is_refused_in_one_line_or_reaches_its_work(workdir, data):
+    args = data.draw(command_line(_value_pool(workdir)))
+    store = workdir / f"store-{next(STORES)}.db"
+    reached = []
+
+    def start(*_args, **_kwargs):
+        reached.append(True)
+        raise typer.Exit(0)
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.chdir(workdir):
+        for target in WORK_STARTS:
+            patch.setattr(target, start)
+        result = CliRunner().invoke(
+            app, args, env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}", "DPIVON_DATA": None}
+        )
+    if reached:
+        return
+    assert result.exit_code != 0, (args, result.output)
+    assert isinstance(result.exception, SystemExit), (args, repr(result.exception))
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, (args, result.output)
+    assert not store.exists() and _run_count(workdir / "mlflow.db") == 0, args

@@ -293,7 +293,7 @@ def test_a_parameter_may_be_named_by_its_config_path(tmp_path):
 
 BAD_SPACES = {
     "unknown-top-key": ("optimizer: dp-sgd\nparam: {}\n", "param: unknown key"),
-    "no-params": ("optimizer: dp-sgd\n", "params: Field required"),
+    "no-params": ("optimizer: dp-sgd\n", "params: required"),
     "empty-params": ("optimizer: dp-sgd\nparams: {}\n", "params"),
     "unknown-optimizer": ("optimizer: dp-sgdd\nparams: {lr: 1.0}\n", "unknown; choose one"),
     "unknown-type": ("params: {lr: {type: floot, low: 1, high: 2}}", "'floot'"),
@@ -324,11 +324,11 @@ BAD_SPACES = {
     ),
     "int-bound-float": (
         "params: {batch_size: {type: int, low: 32.5, high: 256}}",
-        "params.batch_size: low: Input should be a valid integer",
+        "params.batch_size: low: must be a whole number",
     ),
     "int-bound-string": (
         "params: {batch_size: {type: int, low: many, high: 256}}",
-        "valid integer",
+        "must be a whole number",
     ),
     "float-bound-bool": ("params: {lr: {type: float, low: true, high: 2}}", "takes no boolean"),
     "int-log-step": (
@@ -375,11 +375,6 @@ BAD_SPACES = {
         "params: {lrr: {type: float, low: 1, high: 2}}",
         "params.lrr: 'lrr' is not a TrainConfig field (did you mean lr?), nor a switch",
     ),
-    "pipeline-owned": (
-        "params: {epochs: {type: int, low: 1, high: 5}}",
-        "epochs is set by the pipeline",
-    ),
-    "pipeline-owned-fixed": ("params: {device: cpu}", "device is set by the pipeline"),
     "switch-not-categorical": (
         "params:\n  use: {type: int, low: 0, high: 1}\n"
         "  weight_decay: {type: float, low: 0.1, high: 1, when: {use: 1}}\n",
@@ -395,7 +390,7 @@ BAD_SPACES = {
     ),
     "low-invalid-for-trainconfig": (
         "params: {lr: {type: float, low: 0, high: 1}}",
-        "params.lr = 0.0 is not a valid dp-sgd setting: lr must be > 0",
+        "params.lr = 0.0 is not a valid dp-sgd setting: lr must be finite and > 0",
     ),
     "fixed-wrong-type": ("params: {batch_size: lots}", "params.batch_size = 'lots'"),
     "estimator-contradiction": (
@@ -505,6 +500,7 @@ def test_pipeline_api(tmp_path):
         "data_seed": 0,
         "seed": 0,
         "val_noise_multiplier": 0.0,
+        "secure_mode": False,
         "bma_samples": 2,
     }
     assert pipeline.data.train_size == 540
@@ -529,6 +525,22 @@ def test_pipeline_accepts_yaml_quirks_and_non_private(tmp_path):
     assert pipeline.scheduler.type == "none"
     base = pipeline.base_train_config("dp-sgd", math.inf)
     assert parse_config(base).privacy.epsilon == math.inf
+
+
+def test_a_non_private_optimizer_is_one_group_at_eps_inf(tmp_path):
+    """sgd spends no budget: one group labelled inf, never a trial config at epsilon 8."""
+    _write(tmp_path / "pipes/spaces/sgd.yaml", "optimizer: sgd\nparams: {lr: 0.1}\n")
+    data = _pipeline_dict()
+    data["epsilons"] = [1, 8]
+    data["optimizers"].append({"name": "sgd", "space": "spaces/sgd.yaml"})
+    pipeline = load_pipeline(_write_pipeline(tmp_path, data))
+    assert [g for g in pipeline.groups if g[0] == "sgd"] == [("sgd", math.inf)]
+    assert set(pipeline.trial_counts()) == set(pipeline.groups)
+    assert len(pipeline.groups) == 5  # dp-sgd and dp-adam at 1 and 8, sgd once
+    base = pipeline.base_train_config("sgd", 8)
+    assert base["epsilon"] == math.inf and parse_config(base).privacy.epsilon == math.inf
+    with pytest.raises(DpivonError, match="sgd is not private"):
+        parse_config({**base, "epsilon": 8.0})
 
 
 def test_space_paths_fall_back_to_the_current_directory(tmp_path, monkeypatch):
@@ -566,32 +578,32 @@ def _drop(key: str):
 BAD_PIPELINES = {
     "unknown-key": (_set("trails", 3), "trails: unknown key"),
     "unknown-nested-key": (_set("resources.memory", 4), "resources.memory: unknown key"),
-    "missing-name": (_drop("name"), "name: Field required"),
+    "missing-name": (_drop("name"), "name: required"),
     "missing-epsilons": (_drop("epsilons"), "give either epsilons"),
-    "missing-trials": (_drop("trials"), "trials: Field required"),
+    "missing-trials": (_drop("trials"), "trials: required"),
     "bad-name": (_set("name", "Quick Start"), "not a valid sweep name"),
-    "epochs-string": (_set("epochs", "three"), "epochs: Input should be a valid integer"),
-    "concurrency-float": (_set("concurrency", 1.5), "concurrency: Input should be a valid integer"),
+    "epochs-string": (_set("epochs", "three"), "epochs: must be a whole number"),
+    "concurrency-float": (_set("concurrency", 1.5), "concurrency: must be a whole number"),
     "trials-bool": (_set("trials", True), "trials takes no boolean"),
-    "trials-zero": (_set("trials", 0), "trials: Input should be greater than or equal to 1"),
-    "concurrency-zero": (_set("concurrency", 0), "concurrency: Input should be greater"),
+    "trials-zero": (_set("trials", 0), "trials must be in [1, 10000]"),
+    "concurrency-zero": (_set("concurrency", 0), "concurrency must be in [1, 4096]"),
     "cpu-zero": (_set("resources.cpu", 0), "cpu must be > 0"),
     "gpu-negative": (_set("resources.gpu", -1), "gpu must be >= 0"),
     "gpu-fraction-above-one": (_set("resources.gpu", 1.5), "whole number"),
     "epsilon-zero": (_set("epsilons", [0]), "every epsilon must be > 0"),
     "epsilon-negative": (_set("epsilons", -1), "every epsilon must be > 0"),
-    "epsilon-empty": (_set("epsilons", []), "epsilons: Value should have at least 1 item"),
+    "epsilon-empty": (_set("epsilons", []), "epsilons: needs at least 1 item"),
     "epsilon-duplicate": (_set("epsilons", [8, 8.0]), "distinct"),
     "delta-zero": (_set("delta", 0), "delta must be in (0, 1)"),
     "delta-one": (_set("delta", 1), "delta must be in (0, 1)"),
-    "accountant": (_set("accountant", "gdp"), "accountant: Input should be 'rdp' or 'prv'"),
-    "sampler": (_set("sampler", "cmaes"), "sampler: Input should be"),
-    "trial-count": (_set("trial_count", "binomial"), "trial_count: Input should be"),
+    "accountant": (_set("accountant", "gdp"), "accountant: must be one of 'rdp' or 'prv'"),
+    "sampler": (_set("sampler", "cmaes"), "sampler: must be one of"),
+    "trial-count": (_set("trial_count", "binomial"), "trial_count: must be one of"),
     "asha-one-epoch": (_set("epochs", 1), "asha needs epochs >= 2"),
     "asha-grace": (_set("scheduler.grace_period", 3), "grace_period (3) must be below epochs (3)"),
     "asha-reduction": (
         _set("scheduler.reduction_factor", 1),
-        "scheduler.reduction_factor: Input should be greater",
+        "scheduler.reduction_factor: must be >",
     ),
     "scheduler-type": (_set("scheduler", {"type": "hyperband"}), "'hyperband'"),
     "one-objective": (
@@ -613,8 +625,8 @@ BAD_PIPELINES = {
         _set("objectives.1", {"metric": "val_accuracy", "mode": "max"}),
         "must differ",
     ),
-    "unknown-metric": (_set("objectives.1.metric", "test_ece"), "objectives.1.metric: Input"),
-    "bad-mode": (_set("objectives.1.mode", "minimize"), "objectives.1.mode: Input"),
+    "unknown-metric": (_set("objectives.1.metric", "test_ece"), "objectives.1.metric: must be"),
+    "bad-mode": (_set("objectives.1.mode", "minimize"), "objectives.1.mode: must be one of"),
     "wrong-direction": (_set("objectives.0.mode", "min"), "val_accuracy improves by mode max"),
     "unknown-model": (_set("model", "resnet-9000"), "unknown model 'resnet-9000'"),
     "unknown-optimizer": (_set("optimizers.0.name", "dp-sgdd"), "unknown optimizer 'dp-sgdd'"),
@@ -622,7 +634,7 @@ BAD_PIPELINES = {
         _set("optimizers.1", {"name": "dp-sgd", "space": "spaces/dp-sgd.yaml"}),
         "dp-sgd listed more than once",
     ),
-    "no-optimizers": (_set("optimizers", []), "optimizers: List should have at least 1 item"),
+    "no-optimizers": (_set("optimizers", []), "optimizers: needs at least 1 item"),
     "space-missing": (_set("optimizers.0.space", "spaces/nope.yaml"), "file not found"),
     "space-other-optimizer": (
         _set("optimizers.0.space", "spaces/dp-adam.yaml"),
@@ -630,6 +642,17 @@ BAD_PIPELINES = {
     ),
     "space-invalid": (_set("optimizers.1.space", "bad-space.yaml"), "lrr"),
     "train-owned-key": (_set("train", {"epochs": 3}), "epochs is a pipeline setting"),
+    "train-owned-privacy-key": (_set("train", {"val_noise_multiplier": 0.05}), "val_noise"),
+    "entry-train-owned-key": (
+        _set("optimizers.0.train", {"secure_mode": True}),
+        "optimizers.0.train: secure_mode is a pipeline setting",
+    ),
+    "delta-above-one-over-n": (_set("delta", 0.01), "delta=0.01 is >= 1/N = 0.00185 for N=540"),
+    "best-by-without-best": (_set("best_by", "val_ece"), "best_by applies to release: best"),
+    "best-by-no-objective": (
+        lambda d: d.update(release="best", best_by="val_nll"),
+        "best_by must be one of the objectives",
+    ),
     "train-unknown-key": (_set("train", {"bma": 3}), "'bma' is not a TrainConfig field"),
     "train-invalid-value": (_set("train", {"bma_samples": -1}), "bma_samples must be >= 0"),
     "train-and-space": (_set("train", {"lr": 0.1}), "lr set both under train: and by"),
@@ -643,11 +666,32 @@ BAD_PIPELINES = {
         _set("data", {"dataset": "cifar10", "per_class": 5000}),
         "per_class 5000 exceeds",
     ),
-    "unknown-dataset": (_set("data.dataset", "mnist"), "data.dataset: Input should be"),
+    "unknown-dataset": (_set("data.dataset", "mnist"), "data.dataset: must be one of"),
     "experiment-empty": (_set("experiment", " "), "experiment must not be empty"),
-    "max-failures": (_set("max_failures", -1), "max_failures: Input should be greater"),
-    "seed-negative": (_set("seed", -1), "seed: Input should be greater"),
+    "max-failures": (_set("max_failures", -1), "max_failures must be in [0, 100]"),
+    "seed-negative": (_set("seed", -1), "seed must be in [0, 2**32)"),
 }
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("val_noise_multiplier", 0.05), ("epsilon", 50.0), ("delta", 0.1), ("secure_mode", False),
+     ("seed", 7), ("epochs", {"type": "int", "low": 1, "high": 5}), ("data_seed", 3)],
+)  # fmt: skip
+def test_a_space_may_not_set_what_the_pipeline_owns(tmp_path, key, value):
+    """The keys the pipeline sets for every trial (its budget, data, seed) are refused in a
+    space at load, in one line: a space sampling val_noise_multiplier would run trials at
+    a noise the quote does not use."""
+    text = yaml.safe_dump({"optimizer": "dp-sgd", "params": {"lr": 1.0, key: value}})
+    _write(tmp_path / "pipes/owning.yaml", text)
+    data = _pipeline_dict()
+    data["optimizers"][0]["space"] = "owning.yaml"
+    path = _write_pipeline(tmp_path, data)
+    with pytest.raises(DpivonError) as info:
+        load_pipeline(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message, message
+    assert f"params.{key}: {key} is set by the pipeline" in message, message
 
 
 @pytest.mark.parametrize("case", list(BAD_PIPELINES), ids=list(BAD_PIPELINES))
@@ -685,50 +729,47 @@ def test_trial_counts_fixed_and_drawn(tmp_path):
     assert set(load_pipeline(_write_pipeline(tmp_path, data)).trial_counts().values()) == {6}
     for kind, shape in (("poisson", math.inf), ("geometric", 1.0)):
         data["trial_count"] = kind
-        first = load_pipeline(_write_pipeline(tmp_path, data))
-        again = load_pipeline(_write_pipeline(tmp_path, data))
-        assert first.trial_count_shape == shape
-        counts = first.trial_counts()
-        assert counts == again.trial_counts() == first.trial_counts()
-        assert len(counts) == 4 and all(isinstance(k, int) and k >= 1 for k in counts.values())
-        seeds = {
-            tuple(first.model_copy(update={"seed": s}).trial_counts().values()) for s in range(20)
-        }
-        assert len(seeds) > 1  # the seed matters
+        pipeline = load_pipeline(_write_pipeline(tmp_path, data))
+        assert pipeline.trial_count_shape == shape
+        draws = [pipeline.trial_counts() for _ in range(20)]
+        assert all(set(d) == set(pipeline.groups) for d in draws)
+        assert all(isinstance(k, int) and k >= 0 for d in draws for k in d.values())
+        # From the OS entropy source, not the public pipeline seed: every sweep draws anew.
+        assert len({tuple(d.values()) for d in draws}) > 1
 
 
 @pytest.mark.parametrize("kind", ["poisson", "geometric"])
 @pytest.mark.parametrize("mean", [1, 3, 8])
 def test_drawn_trial_counts_have_the_right_mean(kind, mean):
-    draws = np.array([draw_trial_count(kind, mean, seed, "dp-sgd@8.0") for seed in range(4000)])
+    rng = np.random.default_rng(0)
+    draws = np.array([draw_trial_count(kind, mean, rng) for _ in range(4000)])
     # Poisson keeps K = 0 (the group then runs nothing): moving it to 1 would change the
     # distribution the random-trials bound assumes.
     assert draws.min() >= (0 if kind == "poisson" else 1)
     if kind == "poisson" and mean == 1:
         assert (draws == 0).mean() == pytest.approx(math.exp(-1), abs=0.03)
-    assert draw_trial_count(kind, mean, 7, "a") == draw_trial_count(kind, mean, 7, "a")
     expected = mean
     std = math.sqrt(mean) if kind == "poisson" else math.sqrt(mean * (mean - 1)) + 1e-9
     assert abs(draws.mean() - expected) < 4 * std / math.sqrt(len(draws)) + 1e-9
     if mean == 1 and kind == "geometric":
         assert set(draws) == {1}
-    other_group = [draw_trial_count(kind, mean, s, "dp-adam@8.0") for s in range(50)]
-    if mean > 1:
-        assert other_group != list(draws[:50])  # a per-group offset
 
 
 def test_fixed_trial_count_and_bad_kind():
-    assert draw_trial_count("fixed", 5, 0, "x") == 5
+    assert draw_trial_count("fixed", 5) == 5
     with pytest.raises(DpivonError, match="unknown trial_count"):
-        draw_trial_count("uniform", 5, 0, "x")
+        draw_trial_count("uniform", 5)
 
 
-def test_train_config_fields_used_by_pipelines_exist():
-    from dpivon.search.pipeline import _PIPELINE_KEYS
-    from dpivon.search.space import PIPELINE_OWNED_FIELDS
-
-    fields = set(FLAT_KEYS)  # the keys a flat config, a space or `train:` can name
-    assert set(PIPELINE_OWNED_FIELDS) <= fields and set(_PIPELINE_KEYS) <= fields
+def test_the_owned_keys_are_what_builds_a_trial_config(tmp_path):
+    """One owner: the keys refused in spaces and `train:` are the base config's own keys."""
+    pipeline = load_pipeline(_write_pipeline(tmp_path, _pipeline_dict()))
+    owned = pipeline.owned_keys
+    assert owned == set(pipeline.owned_settings("dp-sgd", 8.0)) <= set(FLAT_KEYS)
+    base = pipeline.base_train_config("dp-sgd", 8)
+    assert set(base) - owned == set(pipeline.train)  # the rest are the train extras
+    expected = {"val_noise_multiplier", "epsilon", "delta", "secure_mode", "seed", "data_seed"}
+    assert expected <= owned
 
 
 @pytest.mark.parametrize("path", BENCHMARK_FILES, ids=lambda p: p.name)

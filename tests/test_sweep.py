@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 import ray
 import torch
-from fault_injection import injected_faults, trial_faults_runtime_env
+from fault_injection import KILLED, injected_faults, trial_faults_runtime_env
 from optuna.trial import TrialState
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
-from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
+from sweep_helpers import REPO, runs_of, store_snapshot, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -22,8 +22,8 @@ from dpivon.config import load_configs
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pareto import non_dominated_mask
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.results import TrialStatus, group_name
-from dpivon.search.sweep import TUNE_EXPERIMENT, run_sweep
+from dpivon.search.results import TrialStatus
+from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep, sweep_storage
 
 runner = CliRunner()
 
@@ -91,9 +91,8 @@ def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition
             tmp_path,
             name="adaptive",
             sampler="random",
-            trial_count="poisson",
+            trial_count="geometric",  # K >= 1
             trials=2,
-            seed=1,  # draws K = 2 (seed 0 draws K = 0)
             release="best",
             optimizers=[
                 {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
@@ -107,7 +106,9 @@ def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition
     assert "random_trials_epsilon" not in group
     assert group["quoted_epsilon"] == group["composition_epsilon"]
     assert "stops trials on their metrics" in group["quote"]
-    assert group["drawn_trials"] == pipeline.trial_counts()[("dp-sgd", 8.0)]
+    # the composition holds for a known K: it is stated, as the trials that ran
+    state = SweepState.load(sweep_storage(pipeline))
+    assert "drawn_trials" not in group and group["num_trials"] == state.trial_counts["eps8-dp-sgd"]
 
 
 def test_front_is_non_dominated_and_only_front_sees_the_test_set(finished_sweep):
@@ -135,6 +136,26 @@ def test_pareto_command_prints_the_front(finished_sweep, tmp_path):
     assert result.exit_code == 0, result.output
     assert "Pareto" in result.output
     assert out.stat().st_size > 10_000 and out.with_suffix(".html").exists()
+
+
+def test_resuming_a_finished_sweep_twice_changes_nothing(finished_sweep):
+    """Finishing is idempotent: every file and record of the sweep, plots aside, is the same
+    after two resumes; nothing is evaluated, logged or trained again."""
+    tmp_path, pipeline, _ = finished_sweep
+    folder = sweep_folder(pipeline)
+    before = store_snapshot(tmp_path, pipeline.experiment, folder)
+    for _ in range(2):
+        result = runner.invoke(app, ["sweep", str(pipeline.path), "--resume"])
+        assert result.exit_code == 0, result.output
+        assert "every trial has run: none runs again" in " ".join(result.output.split())
+        assert "test_accuracy" in result.output  # the front is printed again, test scores too
+        assert store_snapshot(tmp_path, pipeline.experiment, folder) == before
+    front = pd.read_csv(folder / "pareto_front.csv")
+    assert {"test_accuracy", "test_ece", "test_nll"} <= set(front.columns)
+    assert not [c for c in front.columns if c.endswith(("_x", "_y"))]
+    assert {r[1] for r in before["models"]} == set(front.run_id)  # one model per member
+    parent = next(run for run in before["runs"].values() if run[1].get("dpivon.kind") == "sweep")
+    assert "test_accuracy" in parent[1]["mlflow.note.content"]
 
 
 def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
@@ -205,6 +226,90 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
     assert run.data.metrics["val_accuracy"] == pytest.approx(trial.data.metrics["val_accuracy"])
 
 
+def _released_text(client, parent, folder) -> str:
+    """Everything a release: best sweep publishes beside its model: the parent run's params,
+    tags (description included), metric names, its logged files."""
+    parts = [json.dumps(parent.data.params), json.dumps(parent.data.tags),
+             json.dumps(sorted(parent.data.metrics))]
+    for name in ("tuning_privacy.json", "trials.csv", "pareto_front.csv"):
+        parts.append((folder / name).read_text())
+        assert name in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    return "\n".join(parts)
+
+
+def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
+    """total_epsilon, random search, a geometric K, release: best. The group's budget and
+    each trial's epsilon are two fields that fronts, hypervolumes, `pareto`, `export
+    --epsilon` and `train --config` agree on; K is in no released artefact; one model is
+    released; a knee pick quotes the composition, in one line."""
+    space = tmp_path / "dp-sgd.yaml"  # one batch size: one candidate mechanism, a fast solve
+    space.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.5, high: 4.0}\n"
+                     "  batch_size: 64\n")
+    pipeline = load_pipeline(write_pipeline(
+        tmp_path, name="budget", epsilons=None, total_epsilon=8, sampler="random",
+        trial_count="geometric", trials=2, release="best", best_by="val_accuracy", epochs=1,
+        scheduler={"type": "none"}, optimizers=[{"name": "dp-sgd", "space": str(space)}],
+    ))  # fmt: skip
+    run_sweep(pipeline)
+    folder, state = sweep_folder(pipeline), SweepState.load(sweep_storage(pipeline))
+    (trial_eps,) = state.trial_epsilons.values()
+    assert 1.0 < trial_eps < 8.0
+    client, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+    assert len(children) == state.trial_counts["eps8-dp-sgd"] >= 1
+    # Two named fields: the group's budget and what each trial spent.
+    for child in children:
+        assert child.data.tags["dpivon.epsilon"] == "8.0"
+        assert float(child.data.tags["dpivon.trial_epsilon"]) == trial_eps
+        assert float(child.data.params["epsilon"]) == trial_eps
+    trials = pd.read_csv(folder / "trials.csv")
+    assert set(trials["epsilon"]) == {8.0} and set(trials["trial_epsilon"]) == {trial_eps}
+    assert "hypervolume.eps8.dp-sgd" in parent.data.metrics
+    (report,) = json.loads((folder / "tuning_privacy.json").read_text()).values()
+    assert report["quoted_epsilon"] == report["random_trials_epsilon"] <= 8.0 + 0.01
+    # K is nowhere in what is released: no count, no composition, no outcome tally.
+    released = _released_text(client, parent, folder)
+    assert "drawn_trials" not in released and "num_trials" not in released
+    assert "composition_epsilon" not in json.dumps(report)
+    assert not any(k.startswith("trials_") for k in parent.data.metrics)
+    private = json.loads((folder / "tuning_private.json").read_text())["eps8-dp-sgd"]
+    assert private["num_trials"] == len(children)
+    # Exactly one model released: the best validation accuracy of the group.
+    logged = [c for c in children if "test_accuracy" in c.data.metrics]
+    (best,) = logged
+    assert best.data.metrics["val_accuracy"] == max(
+        c.data.metrics.get("val_accuracy", -1) for c in children
+    )
+    result = runner.invoke(app, ["pareto", str(folder), "--out", str(tmp_path / "f.png")])
+    assert result.exit_code == 0, result.output
+    assert "trial_epsilon" in result.output  # the budget, and what the trials spent
+    # export --epsilon takes the budget; the default pick is the release's own.
+    exported = tmp_path / "best.yaml"
+    result = runner.invoke(app, ["export", str(folder), "--epsilon", "8", "--out", str(exported)])
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+    (config,) = load_configs(exported)
+    assert config.privacy.epsilon == trial_eps
+    assert config.privacy.tuning.quoted_epsilon == report["random_trials_epsilon"]
+    assert best.data.tags["dpivon.trial_id"] in exported.read_text()
+    knee = tmp_path / "knee.yaml"
+    result = runner.invoke(
+        app, ["export", str(folder), "--epsilon", "8", "--pick", "knee", "--out", str(knee)]
+    )
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "--pick knee is not the model the sweep releases" in notes[0]
+    tuning = load_configs(knee)[0].privacy.tuning
+    assert tuning.quoted_epsilon == private["composition_epsilon"]
+    assert tuning.quote.startswith("composition_epsilon")
+    result = runner.invoke(app, ["train", "--config", str(exported), "--no-log-model",
+                                 "--tracking-uri", f"sqlite:///{tmp_path}/prod.db"])
+    assert result.exit_code == 0, result.output
+    prod = mlflow.MlflowClient(f"sqlite:///{tmp_path}/prod.db")
+    (run,) = prod.search_runs([prod.get_experiment_by_name("dpivon").experiment_id])
+    assert float(run.data.params["epsilon"]) == trial_eps
+    assert run.data.metrics["tuning_epsilon"] == pytest.approx(report["quoted_epsilon"])
+    assert run.data.metrics["epsilon_with_tuning"] > report["quoted_epsilon"]
+
+
 def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray):
     spaces = REPO / "search_spaces" / "quickstart"
     # No ASHA here: it could stop a trial after its first report, before the failure.
@@ -234,6 +339,31 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray)
             assert "val_accuracy" in child.data.metrics
 
 
+def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finishes(
+    tmp_path, local_ray
+):
+    """Its worker dies while the trial's actor is created (as when the kernel kills it for
+    memory): Tune reports an error for a trial that never started, and never ran."""
+    spaces = REPO / "search_spaces" / "quickstart"
+    path = write_pipeline(
+        tmp_path, name="killed", max_failures=0, trials=1, epochs=1, scheduler={"type": "none"},
+        optimizers=[{"name": "dp-sgd", "space": str(spaces / "dp-sgd.yaml")},
+                    {"name": "dp-adam", "space": str(spaces / "dp-adam.yaml")}],
+    )  # fmt: skip
+    pipeline = load_pipeline(path)
+    with injected_faults(local_ray, {"dp-sgd": KILLED}):
+        trials = run_sweep(pipeline)
+    by_optimizer = dict(zip(trials.optimizer, trials.status, strict=True))
+    assert by_optimizer == {"dp-sgd": TrialStatus.FAILED, "dp-adam": TrialStatus.COMPLETED}
+    _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["trials_failed"] == 1
+    (killed,) = [c for c in children if c.data.params["optimizer"] == "dp-sgd"]
+    assert killed.info.status == "FAILED"
+    assert killed.data.tags["dpivon.trial_status"] == TrialStatus.FAILED
+    assert not killed.data.metrics  # it never reported
+
+
 def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
     path = write_pipeline(
         tmp_path,
@@ -259,18 +389,19 @@ def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
 
 
 def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
-    """3 groups with their own trial counts (2, 1, 1: drawn with seed 13), 3 trials at once."""
+    """3 groups with their own trial counts (geometric, mean 2), 3 trials at once."""
     dp_sgd = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
     pipeline = load_pipeline(
         write_pipeline(
             tmp_path, name="groups", epsilons=[2, 4, 8], optimizers=[dp_sgd], trials=2, epochs=1,
-            trial_count="geometric", seed=13, concurrency=3, resources={"cpu": 0.5},
+            trial_count="geometric", concurrency=3, resources={"cpu": 0.5},
             scheduler={"type": "none"},
         )
     )
-    expected = {group_name(o, e): k for (o, e), k in pipeline.trial_counts().items()}
-    assert sorted(expected.values()) == [1, 1, 2]
     run_sweep(pipeline)
+    # drawn from OS entropy when the sweep started, kept in its (private) state file
+    expected = SweepState.load(sweep_storage(pipeline)).trial_counts
+    assert set(expected) == {"eps2-dp-sgd", "eps4-dp-sgd", "eps8-dp-sgd"}
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert Counter(c.data.tags["dpivon.group"] for c in children) == expected

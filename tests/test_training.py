@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from dpivon import training
 from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
+from dpivon.data import CIFAR10_CLASSES
 from dpivon.errors import DpivonError
-from dpivon.training import load_data, train
+from dpivon.training import TrainingDiverged, load_data, train
 
 SMALL = {
     "dataset": "synthetic",
@@ -45,6 +46,8 @@ REQUIRED_KEYS = {
     "mlflow_run_id",
 }
 runner = CliRunner()
+# one epoch on 180 synthetic images: seconds
+TINY = ["--epochs", "1", "--set", "synthetic_size=200"]
 
 
 def cli(*args: str):
@@ -127,12 +130,14 @@ def test_logged_model_reproduces_bma_predictions(tmp_path):
     model = mlflow.pyfunc.load_model(f"runs:/{summary['mlflow_run_id']}/model")
     data = load_data(parse_config({"dataset": "synthetic", "model": "small-cnn"}))
     images, labels = data.test.tensors
-    probs = model.predict(images.numpy())
-    accuracy = float((probs.argmax(1) == labels.numpy()).mean())
+    # the training tensors are CIFAR-normalised already (raw images: tests/test_serving.py)
+    rows = model.predict(images.numpy(), params={"cifar_normalised": True})
+    accuracy = float((rows["class"].to_numpy() == labels.numpy()).mean())
     assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-9)
     # BMA differs from the mean prediction: the posterior really is in the model.
-    mean_probs = model.predict(images.numpy(), params={"bma_samples": 0})
-    assert not np.allclose(probs, mean_probs)
+    mean = model.predict(images.numpy(), params={"bma_samples": 0, "cifar_normalised": True})
+    probs = [f"prob_{name}" for name in CIFAR10_CLASSES]
+    assert not np.allclose(rows[probs].to_numpy(), mean[probs].to_numpy())
 
 
 def test_training_is_reproducible_and_resumable():
@@ -193,12 +198,12 @@ def _bad_layout(tmp_path):
         (["--batch-size", "100000"], "larger than the training set"),
         (["--optimizer", "dp-lion"], "unknown optimizer 'dp-lion'"),
         (["--model", "resnet-9000"], "unknown model 'resnet-9000'"),
-        (["--epsilon", "1e-9", "--epochs", "50"], "cannot be met"),
+        (["--epsilon", "1e-9", "--epochs", "50"], "smallest the rdp accountant reaches"),
         (["--device", "tpu"], "device must be auto, cpu, cuda"),
         (["--seed", "-1"], "seed must be in [0, 2**32)"),
         (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
         (["--experiment", " "], "--experiment must not be empty"),
-        (["--json", "/proc/dpivon.json"], "cannot write --json"),
+        (["--json", "/proc/dpivon.json"], "--json /proc/dpivon.json cannot be written"),
     ],
 )
 def test_bad_input_gives_one_clear_line(tmp_path, args, message):
@@ -213,7 +218,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
     ("config", "message"),
     [
         ({"optimizer": "dp-sgd", "learning_rate": 0.1}, "learning_rate: unknown key"),
-        ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: Input should be a valid number"),
+        ({"optimizer": "dp-sgd", "lr": "fast"}, "lr: must be a number"),
         ({"optimizer": "dp-sgd", "epochs": [1, 2]}, "epochs"),
         ({"optimizer": "dp-sgd", "epsilon": True}, "epsilon takes no boolean"),
     ],
@@ -253,20 +258,63 @@ def test_unreachable_tracking_server(tmp_path):
     assert "cannot reach the MLflow tracking server" in result.output
 
 
-def test_non_private_optimizer_rejects_nothing_but_says_so(tmp_path):
-    result = cli(
-        "train",
-        *small_flags(tmp_path),
-        "--optimizer",
-        "sgd",
-        "--epsilon",
-        "8",
-        "--epochs",
-        "1",
-        "--no-log-model",
-    )
-    assert result.exit_code == 0
-    assert "not private" in result.output
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--optimizer", "sgd", "--epsilon", "8"], "sgd is not private"),
+        (["--max-grad-norm", "inf"], "max_grad_norm must be finite and > 0, got inf"),
+        (["--lr", "inf"], "lr must be finite and > 0, got inf"),
+    ],
+)
+def test_what_cannot_be_private_is_refused_before_anything_starts(tmp_path, flags, expected):
+    """No clipping (unbounded sensitivity), an infinite step, or a budget without noise:
+    one line, exit 2, and no MLflow store is even created."""
+    result = cli("train", *small_flags(tmp_path), *flags)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One MLflow store for the runs below: its migrations cost more than a tiny run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+
+
+def _train(tmp_path, store: str, *flags: str):
+    """`dpivon train` on tiny data into ``store``; its exit code and its logged run."""
+    out = tmp_path / "out.json"
+    result = cli("train", *small_flags(tmp_path)[:-2], *TINY, *flags, "--no-log-model",
+                 "--tracking-uri", store, "--json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(out.read_text())["mlflow_run_id"]
+    return result, mlflow.MlflowClient(store).get_run(run_id)
+
+
+def test_a_non_private_run_is_logged_at_epsilon_inf(tmp_path, store):
+    _, run = _train(tmp_path, store, "--optimizer", "sgd")
+    assert run.data.params["epsilon"] == "inf" and run.info.run_name == "sgd-epsinf"
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_private_run_logs_its_raw_training_loss_only_when_asked(tmp_path, store, asked):
+    flags = ["--log-train-loss"] if asked else []
+    result, run = _train(tmp_path, store, "--optimizer", "dp-sgd", *flags)
+    assert ("train_loss" in run.data.metrics) == asked
+    assert ("dpivon.not_covered" in run.data.tags) == asked
+    assert ("train_loss=" in result.output) == asked
+    assert ("does not cover it" in result.output) == asked
+
+
+def test_divergence_is_seen_in_the_parameters_not_the_raw_loss():
+    config = parse_config(
+        {"dataset": "synthetic", "synthetic_size": 200, "model": "small-cnn",
+         "optimizer": "dp-sgd", "lr": 1e20, "batch_size": 32, "epochs": 1, "bma_samples": 0}
+    )  # fmt: skip
+    with pytest.raises(TrainingDiverged, match="parameters are no longer finite") as info:
+        train(config)
+    assert set(info.value.privacy) == {"noise_multiplier", "sample_rate", "steps"}
 
 
 def test_config_rejects_contradicting_estimator():

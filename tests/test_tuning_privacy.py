@@ -18,6 +18,7 @@ from dpivon.privacy.tuning import (
     _repeat_and_select_epsilon_from_curve,
     candidate_mechanisms,
     composition_epsilon,
+    composition_facts,
     epsilon_from_rdp,
     random_trials_epsilon,
     solve_trial_epsilon,
@@ -227,12 +228,34 @@ def test_candidate_chunks_dominate_every_batch_size_of_the_space():
 
 
 def test_zero_trials_drawn_is_recorded_and_costs_nothing():
-    report = tuning_privacy_report(
-        [], DELTA, conditions("poisson", release="best"), drawn_trials=0
-    )
-    assert report["drawn_trials"] == 0 and report["num_trials"] == 0
+    """K = 0 under an adaptive search: nothing ran, nothing released, composition 0."""
+    report = tuning_privacy_report([], DELTA, conditions("poisson", sampler=True, release="best"))
+    assert report["num_trials"] == 0 and "drawn_trials" not in report
     assert report["quoted_epsilon"] == 0.0
     assert "K = 0" in report["quote"]
+
+
+@pytest.mark.parametrize("ran", [0, 3, 9])
+def test_a_hidden_trial_count_leaves_no_trace_in_the_report(ran):
+    """Where the random-trials bound is quoted, the report is the same whatever K was: it
+    states K's distribution and nothing that counts the trials (K = 0 included)."""
+    best = conditions("poisson", release="best")
+    report = tuning_privacy_report([BRIEF] * ran, DELTA, best, candidates=[BRIEF])
+    assert {"num_trials", "drawn_trials", "composition_epsilon"}.isdisjoint(report)
+    assert report["trial_count"] == "poisson" and report["mean_trials"] == 8
+    assert report == tuning_privacy_report([BRIEF] * 5, DELTA, best, candidates=[BRIEF])
+    assert "kept private" in report["quote"] and "OS entropy" in report["quote"]
+    # what it leaves out is still there for the private state: the composition of what ran
+    facts = composition_facts([BRIEF] * ran, DELTA)
+    assert facts["num_trials"] == ran
+    assert facts["composition_epsilon"] == pytest.approx(composition_epsilon([BRIEF] * ran, DELTA))
+
+
+def test_the_report_says_why_it_composes_rdp_for_prv_calibrated_trials():
+    report = tuning_privacy_report([BRIEF] * 2, DELTA, conditions("fixed"), accountant="prv")
+    assert report["accountant"] == "rdp"
+    assert "calibrated with PRV" in report["quote"] and "conservative" in report["quote"]
+    assert "PRV" not in tuning_privacy_report([BRIEF] * 2, DELTA, conditions("fixed"))["quote"]
 
 
 def test_validation_noise_is_composed_into_the_trial_cost():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from dpivon.data.arrays import ImageArrays, class_counts, stratified_indices
@@ -63,14 +64,19 @@ def stratified_subset(arrays: ImageArrays, per_class: int, seed: int = 0) -> Ima
     )
 
 
+def cifar_normalise_(images: Tensor) -> Tensor:
+    """In place: float NCHW pixels in [0, 1] minus the CIFAR-10 mean, over its std."""
+    mean = torch.tensor(CIFAR10_MEAN, dtype=images.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD, dtype=images.dtype).view(1, 3, 1, 1)
+    return images.sub_(mean).div_(std)
+
+
 def to_tensor_dataset(arrays: ImageArrays) -> TensorDataset:
     """float32 NCHW images normalised with the CIFAR-10 mean/std, and int64 labels."""
     images = torch.empty((len(arrays), 3, 32, 32), dtype=torch.float32)
     # copy_ converts dtype and layout in one pass, keeping peak memory at one float copy.
     images.copy_(torch.from_numpy(arrays.images).permute(0, 3, 1, 2))
-    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
-    images.div_(255.0).sub_(mean).div_(std)
+    cifar_normalise_(images.div_(255.0))
     return TensorDataset(images, torch.from_numpy(arrays.labels.copy()))
 
 

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-from dpivon.constraints import Bool, Count, NonNegativeFloat, PositiveFloat, Rate
+from dpivon.constraints import (
+    Bool,
+    Count,
+    FinitePositiveFloat,
+    NonNegativeFloat,
+    PositiveFloat,
+    Rate,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +40,7 @@ class OptimizerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str
-    lr: PositiveFloat
+    lr: FinitePositiveFloat
     weight_decay: NonNegativeFloat
 
     @property

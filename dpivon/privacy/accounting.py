@@ -7,16 +7,25 @@ as eps 9.09 by RDP).
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from typing import TYPE_CHECKING
 
 from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
+from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from dpivon.errors import DpivonError
+
+if TYPE_CHECKING:
+    from dpivon.config import TrainConfig
 
 ACCOUNTANTS = ("rdp", "prv")
 # Bisection precision: calibrated sigma spends epsilon in [target - tol, target].
 EPSILON_TOLERANCE = 0.01
+# Above this a finite epsilon promises nothing (e^1000 bounds no odds), and Opacus's
+# bisection, which wants the target within EPSILON_TOLERANCE, would never end (1e308).
+MAX_FINITE_EPSILON = 1000.0
 
 
 def calibrate_noise_multiplier(
@@ -32,6 +41,7 @@ def calibrate_noise_multiplier(
         )
     if math.isinf(target_epsilon):
         return 0.0
+    check_reachable(target_epsilon, delta, sample_rate, steps, accountant)
     try:
         return get_noise_multiplier(
             target_epsilon=target_epsilon,
@@ -47,6 +57,53 @@ def calibrate_noise_multiplier(
             f"sample rate {sample_rate:.4g} over {steps} steps ({err}); raise epsilon, "
             "lower the number of epochs or the batch size"
         ) from err
+
+
+def sampling_schedule(dataset_size: int, batch_size: int) -> tuple[float, int]:
+    """(sample rate q = b / N, steps per epoch ceil(N / b)) of Poisson sampling."""
+    return batch_size / dataset_size, math.ceil(dataset_size / batch_size)
+
+
+@functools.lru_cache(maxsize=1024)  # a benchmark asks once per run, with a few distinct plans
+def epsilon_floor(sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    """The smallest epsilon the accountant reports for this plan, at Opacus's MAX_SIGMA."""
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": expected here
+        warnings.simplefilter("ignore", UserWarning)
+        return epsilon_spent(MAX_SIGMA, sample_rate, steps, delta, accountant)
+
+
+def check_reachable(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
+) -> None:
+    """A finite target that calibration can meet: at most MAX_FINITE_EPSILON, and at least
+    what the accountant reports with the most noise Opacus calibrates (its MAX_SIGMA): the
+    conversion from RDP (or PRV) to (epsilon, delta) has a floor that no noise goes below."""
+    if math.isinf(target_epsilon):
+        return
+    if target_epsilon > MAX_FINITE_EPSILON:
+        raise DpivonError(
+            f"epsilon {target_epsilon:g} is above {MAX_FINITE_EPSILON:g}, where a guarantee "
+            "means nothing and noise calibration does not end; use inf for a run without noise"
+        )
+    floor = epsilon_floor(sample_rate, steps, delta, accountant)
+    if target_epsilon < floor:
+        raise DpivonError(
+            f"epsilon {target_epsilon:g} is below {floor:.3g}, the smallest the {accountant} "
+            f"accountant reaches at delta {delta:g} over {steps} steps at sample rate "
+            f"{sample_rate:.3g}, whatever the noise; use epsilon >= {floor:.3g}"
+        )
+
+
+def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> None:
+    """:func:`check_reachable` for a private run of ``config`` (at ``batch_size`` if given:
+    the largest of a search space), before any data is loaded."""
+    batch = config.training.batch_size if batch_size is None else batch_size
+    if not 0 < batch <= config.data.train_size:
+        return  # no sampling rate; the batch checks say what is wrong
+    sample_rate, steps_per_epoch = sampling_schedule(config.data.train_size, batch)
+    privacy = config.privacy
+    steps = config.training.epochs * steps_per_epoch
+    check_reachable(privacy.epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
 
 
 def epsilon_spent(
@@ -68,7 +125,14 @@ def check_budget(epsilon: float, delta: float, dataset_size: int | None = None) 
         raise DpivonError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
     if not 0 < delta < 1:
         raise DpivonError(f"delta must be in (0, 1), got {delta}")
-    if dataset_size is not None and delta >= 1 / dataset_size:
+    if dataset_size is not None:
+        check_delta(delta, dataset_size)
+
+
+def check_delta(delta: float, dataset_size: int) -> None:
+    """Reject delta >= 1/N: a mechanism that publishes one whole record with probability
+    delta would meet it. Needs only N, so pipelines check it when they load."""
+    if delta >= 1 / dataset_size:
         raise DpivonError(
             f"delta={delta} is >= 1/N = {1 / dataset_size:.3g} for N={dataset_size} training "
             "examples: such a delta allows leaking whole records; use delta < 1/N (e.g. 1e-5)"

@@ -38,7 +38,12 @@ from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
 from dpivon.errors import DpivonError
-from dpivon.privacy.accounting import calibrate_noise_multiplier, check_budget, epsilon_spent
+from dpivon.privacy.accounting import (
+    calibrate_noise_multiplier,
+    check_budget,
+    epsilon_spent,
+    sampling_schedule,
+)
 from dpivon.privacy.bookkeeping import (
     BookKeeping,
     BookKeepingDPOptimizer,
@@ -130,8 +135,7 @@ def plan_privacy(
         raise DpivonError(f"max_grad_norm (clip norm C) must be > 0, got {max_grad_norm}")
     if epochs < 1:
         raise DpivonError(f"epochs must be >= 1, got {epochs}")
-    sample_rate = batch_size / dataset_size
-    steps_per_epoch = math.ceil(dataset_size / batch_size)
+    sample_rate, steps_per_epoch = sampling_schedule(dataset_size, batch_size)
     steps = epochs * steps_per_epoch
     sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
     return PrivacyPlan(

@@ -312,63 +312,88 @@ def candidate_mechanisms(
     return candidates
 
 
+def composition_facts(trials: Sequence[TrialMechanism], delta: float) -> dict[str, Any]:
+    """The RDP composition of the trials that ran, with their number: valid whatever was
+    released, but it reveals how many trials ran, so where the random-trials bound is
+    quoted these stay in the sweep's private state (a pick other than the declared one
+    falls back on them)."""
+    curve = (
+        _event_rdp(dp_event.ComposedDpEvent([t.event() for t in trials]))
+        if trials
+        else np.zeros(len(ORDERS))
+    )
+    return {
+        "num_trials": len(trials),
+        "composition_epsilon": composition_epsilon(trials, delta),
+        "composition_rdp": [float(v) for v in curve],
+    }
+
+
+def _accountant_note(accountant: str) -> str:
+    if accountant == "rdp":
+        return ""
+    return (
+        f" The trials were calibrated with {accountant.upper()}; these bounds compose RDP "
+        "curves (dp_accounting) because the random-trials bound and the composition with a "
+        f"production run need RDP, which {accountant.upper()} does not give: RDP is the "
+        "conservative side (a trial's RDP epsilon is at least its epsilon_spent)."
+    )
+
+
 def tuning_privacy_report(
     trials: Sequence[TrialMechanism],
     delta: float,
     conditions: SweepConditions,
     *,
     candidates: Sequence[TrialMechanism] = (),
-    drawn_trials: int | None = None,
+    accountant: str = "rdp",
 ) -> dict[str, Any]:
     """Privacy of one group of a sweep, the threat model, and which number to quote.
 
     ``trials`` are the mechanisms that ran (their RDP composition is always valid, adaptive
     choices included); ``candidates`` cover every mechanism the search space can produce
     (see :func:`candidate_mechanisms`), needed by the random-trials bound, which is quoted
-    only where :meth:`SweepConditions.random_trials_obstacles` finds none.
-    ``drawn_trials`` is the number of trials drawn for the group (K, possibly 0).
+    only where :meth:`SweepConditions.random_trials_obstacles` finds none. That bound holds
+    only while the number of trials K stays unknown, so its report states K's distribution
+    and nothing that reveals K (no trial count, no composition: see
+    :func:`composition_facts`). ``accountant`` is the one that calibrated the trials.
     """
     _check_delta(delta)
     n = len(trials)
-    drawn = n if drawn_trials is None else drawn_trials
-    if n == 0 and drawn_trials != 0:
-        raise DpivonError("no trial to account for: the sweep ran no trial")
-    validation = [t for t in trials if t.private_validation]
+    obstacles = conditions.random_trials_obstacles()
+    # what the quoted bound is over: the trials that ran, or every candidate of the space
+    covered = trials if obstacles else candidates
+    noised = bool(covered) and all(t.private_validation for t in covered)
     report: dict[str, Any] = {
-        "per_trial_epsilon_max": max((trial_epsilon(t, delta) for t in set(trials)), default=0.0),
-        "composition_epsilon": composition_epsilon(trials, delta),
         "trial_count": conditions.trial_count,
-        "num_trials": n,
-        "drawn_trials": drawn,
+        "mean_trials": conditions.mean_trials,
         "adaptive": conditions.adaptive,
         "release": conditions.release,
+        "accountant": "rdp",
         "records_covered": (
             "training and validation records (validation scores are noised)"
-            if validation and len(validation) == n
+            if noised
             else "training records only: validation scores are exact, so the validation "
             "records that steer selection have no DP protection"
         ),
         "outputs_covered": RELEASES[conditions.release],
     }
-    obstacles = conditions.random_trials_obstacles()
-    curve = (
-        _event_rdp(dp_event.ComposedDpEvent([t.event() for t in trials]))
-        if trials
-        else np.zeros(len(ORDERS))
-    )
-    if drawn == 0:
-        quoted, why = (
-            "composition_epsilon",
-            (
-                "K = 0 trials were drawn for this group: it ran and released nothing (no trial "
-                "was substituted, so the random-trials distribution holds as drawn)"
-            ),
+    if obstacles:
+        if n == 0 and conditions.trial_count == "fixed":
+            raise DpivonError("no trial to account for: the sweep ran no trial")
+        facts = composition_facts(trials, delta)
+        report["per_trial_epsilon_max"] = max(
+            (trial_epsilon(t, delta) for t in set(trials)), default=0.0
         )
-    elif obstacles:
+        report["num_trials"] = n
+        report["composition_epsilon"] = facts["composition_epsilon"]
+        curve = facts["composition_rdp"]
         quoted = "composition_epsilon"
         why = (
-            f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), so "
-            f"the bound is the RDP composition of all {n} trials, valid under adaptivity"
+            "no trial ran for this group (K = 0 drawn): it released nothing"
+            if n == 0
+            else f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), "
+            f"so the bound is the RDP composition of all {n} trials, valid under adaptivity"
         )
     else:
         if not candidates:
@@ -379,18 +404,20 @@ def tuning_privacy_report(
         curve = _rdp._compute_rdp_repeat_and_select(
             ORDERS, _max_rdp_curve(candidates), conditions.mean_trials, shape
         )
+        report["per_trial_epsilon_max"] = max(trial_epsilon(t, delta) for t in set(candidates))
         report["random_trials_epsilon"] = epsilon_from_rdp(curve, delta)
         report["candidates"] = len(candidates)
         quoted = "random_trials_epsilon"
         why = (
-            f"hyper-parameters were drawn independently of the data, K from a "
-            f"{conditions.trial_count} distribution with mean {conditions.mean_trials:g}, no "
-            f"trial was stopped on its metrics, and only one selected model is released: the "
-            f"Papernot & Steinke bound over all {len(candidates)} candidate mechanisms of the "
-            f"search space applies"
+            f"hyper-parameters were drawn independently of the data from the OS entropy "
+            f"source, K from a {conditions.trial_count} distribution with mean "
+            f"{conditions.mean_trials:g} (drawn from the OS entropy source and kept private: "
+            f"this report states only its distribution), no trial was stopped on its "
+            f"metrics, and only one selected model is released: the Papernot & Steinke bound "
+            f"over all {len(candidates)} candidate mechanisms of the search space applies"
         )
     report["quoted_epsilon"] = report[quoted]
-    report["quote"] = f"{quoted}: {why}."
+    report["quote"] = f"{quoted}: {why}.{_accountant_note(accountant)}"
     # The quoted bound as an RDP curve on ORDERS: a production run tuned by this sweep
     # composes with it (see compose_with_tuning).
     report["quoted_rdp"] = [float(v) for v in curve]

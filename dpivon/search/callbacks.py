@@ -22,7 +22,13 @@ from dpivon.errors import DpivonError
 from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus, child_runs
 from dpivon.search.space import SearchSpace
 from dpivon.search.storage import SweepStorage
-from dpivon.search.trial import COMPLETE, DIVERGED, DIVERGED_ERROR, trial_train_config
+from dpivon.search.trial import (
+    COMPLETE,
+    DIVERGED,
+    DIVERGED_ERROR,
+    GROUP_KEY,
+    trial_train_config,
+)
 from dpivon.tracking import REDACTED, Tracker, check_tracking_server, redact_uri
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.
@@ -89,6 +95,7 @@ class MlflowTrialLogger(tune.Callback):
         self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
+        self.started: set[str] = set()  # trials whose "start" this driver has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -102,6 +109,7 @@ class MlflowTrialLogger(tune.Callback):
             "tracking_uri": uri,
             "_tracker": None,
             "run_ids": {},
+            "started": set(),
             "pending": [],
             "_retry_at": 0.0,
             "_down_since": None,
@@ -203,6 +211,7 @@ class MlflowTrialLogger(tune.Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
+        self.started.add(trial.trial_id)
         self._queue(
             trial,
             "start",
@@ -234,6 +243,10 @@ class MlflowTrialLogger(tune.Callback):
         self._queue(trial, "end", tags=tags, status="FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        if trial.trial_id not in self.started:
+            # Its actor died before it started (out of memory, a lost node): Tune reports
+            # the error without a start, so the run is opened here, to be closed FAILED.
+            self.on_trial_start(iteration, trials, trial)
         tags = {STATUS_TAG: TrialStatus.FAILED, "error": trial_error(trial)}
         self._queue(trial, "end", tags=tags, status="FAILED")
 
@@ -275,47 +288,100 @@ def child_runs_by_trial(tracker: Tracker, parent_run_id: str) -> dict[str, str]:
     return {r.data.tags[TRIAL_TAG]: r.info.run_id for r in runs if TRIAL_TAG in r.data.tags}
 
 
-class SweepProgress(tune.Callback):
-    """One line per finished trial and a running tally, instead of Tune's wide tables."""
+# What became of a trial, as the progress line counts it.
+COMPLETED, STOPPED, FAILED, RUNNING, WAITING = (
+    "completed", "stopped early", "failed", "running", "waiting"
+)  # fmt: skip
 
-    def __init__(self, group: str, total: int, objective: str, mode: str):
-        self.group, self.total = group, total
+
+def trial_outcome(trial) -> str:
+    """A trial's state for the tally, from Tune's status and its last report."""
+    if trial.status == "ERROR":
+        return FAILED
+    if trial.status == "RUNNING":
+        return RUNNING
+    if trial.status != "TERMINATED":
+        return WAITING  # pending, paused
+    result = trial.last_result or {}
+    if result.get(DIVERGED):
+        return FAILED
+    return COMPLETED if result.get(COMPLETE) else STOPPED
+
+
+def tally(
+    trials, total: int | None, group: str | None = None, now: dict[str, str] = ()
+) -> dict:
+    """How many of ``total`` trials (of the sweep, or of ``group``) are completed, stopped
+    early, failed, running and waiting (not started, or not yet created by the searcher):
+    the counts always add up to ``total``. ``now`` holds the outcome of a trial whose event
+    is being handled (Tune updates its status only after the callbacks). With ``total``
+    None (a trial count kept private for the random-trials bound) nothing is waiting."""
+    counts = dict.fromkeys((COMPLETED, STOPPED, FAILED, RUNNING), 0)
+    for trial in trials:
+        if group is not None and trial.config.get(GROUP_KEY) != group:
+            continue
+        outcome = dict(now).get(trial.trial_id) or trial_outcome(trial)
+        if outcome in counts:
+            counts[outcome] += 1
+    counts[WAITING] = None if total is None else total - sum(counts.values())
+    return counts
+
+
+def tally_line(counts: dict[str, int]) -> str:
+    """``7/12 finished (5 completed, 1 stopped early, 1 failed), 2 running, 3 waiting``;
+    without the total and the waiting count where the trial count is private."""
+    finished = counts[COMPLETED] + counts[STOPPED] + counts[FAILED]
+    outcomes = (
+        f"({counts[COMPLETED]} completed, {counts[STOPPED]} stopped early, "
+        f"{counts[FAILED]} failed), {counts[RUNNING]} running"
+    )
+    if counts[WAITING] is None:
+        return f"{finished} finished {outcomes}"
+    total = finished + counts[RUNNING] + counts[WAITING]
+    return f"{finished}/{total} finished {outcomes}, {counts[WAITING]} waiting"
+
+
+class SweepProgress(tune.Callback):
+    """One line per finished trial, instead of Tune's wide tables: its group's tally and
+    the whole sweep's, both counted from Tune's trials (exact after a resume too)."""
+
+    def __init__(
+        self, group: str, total: int | None, sweep_total: int | None, objective: str, mode: str
+    ):
+        # totals None: the trial counts are private (the random-trials bound)
+        self.group, self.total, self.sweep_total = group, total, sweep_total
         self.objective, self.mode = objective, mode
-        self.done = self.failed = self.stopped = 0
         self.best = -math.inf if mode == "max" else math.inf
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__)
 
-    def _line(self, trial, what: str, trials) -> None:
-        running = sum(1 for t in trials if t.status == "RUNNING")
+    def _line(self, trial, what: str, trials, outcome: str | None = None) -> None:
+        now = {trial.trial_id: outcome} if outcome else {}
         value = (trial.last_result or {}).get(self.objective)
         finite = isinstance(value, float) and math.isfinite(value)  # NaN after a divergence
-        shown = f"{self.objective}={value:.4f}" if finite else ""
-        best = f"best {self.objective}={self.best:.4f}" if math.isfinite(self.best) else ""
+        shown = f" {self.objective}={value:.4f}" if finite else ""
+        best = f" | best {self.objective}={self.best:.4f}" if math.isfinite(self.best) else ""
+        group = tally(trials, self.total, self.group, now)
+        sweep = tally(trials, self.sweep_total, now=now)
         console.print(
-            f"[bold]{self.group}[/] trial {trial.trial_id} {what} {shown} | "
-            f"{self.done}/{self.total} done, {running} running, {self.failed} failed, "
-            f"{self.stopped} stopped early | {best}",
+            f"[bold]{self.group}[/] trial {trial.trial_id} {what}{shown} | {self.group} "
+            f"{tally_line(group)} | sweep {tally_line(sweep)}{best}",
             highlight=False,
         )
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         result = trial.last_result or {}
         if result.get(DIVERGED):
-            self.failed += 1
-            self.done += 1
-            self._line(trial, f"[red]diverged[/] ({result.get(DIVERGED_ERROR)})", trials)
+            what, outcome = f"[red]diverged[/] ({result.get(DIVERGED_ERROR)})", FAILED
         elif result.get(COMPLETE):
-            self.done += 1
+            what, outcome = "completed", COMPLETED
             value = result.get(self.objective)
             if isinstance(value, float) and math.isfinite(value):
                 self.best = max(self.best, value) if self.mode == "max" else min(self.best, value)
-            self._line(trial, "completed", trials)
         else:
-            self.stopped += 1
-            self.done += 1
-            self._line(trial, "stopped early (ASHA)", trials)
+            what, outcome = "stopped early (ASHA)", STOPPED
+        self._line(trial, what, trials, outcome)
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         # a failed attempt (a lost node, a crash) that Tune retries (FailureConfig)
@@ -324,6 +390,4 @@ class SweepProgress(tune.Callback):
         )
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self.failed += 1
-        self.done += 1
-        self._line(trial, f"[red]failed[/] ({trial_error(trial)})", trials)
+        self._line(trial, f"[red]failed[/] ({trial_error(trial)})", trials, FAILED)

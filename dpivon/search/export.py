@@ -10,7 +10,11 @@ full training set. It holds epsilon and delta, not sigma_p: `dpivon train` recal
 noise for the production epochs, data size and batch size, so the production training
 spends at most its epsilon. That is not the cost of the released model: its hyper-parameters
 were chosen by the sweep on the same records, so the config carries the sweep's tuning cost
-(`tuning`) and `dpivon train` reports the composition of both. Exported configs run in
+(`tuning`) and `dpivon train` reports the composition of both. A sweep with ``release:
+best`` declared one pick (the best by its metric); any other pick (``knee``, ``pareto``:
+a selection that depends on the whole front, or several models) is not what the
+random-trials bound covers, so its configs carry the composition of all the group's
+trials instead (read from the sweep's private ``tuning_private.json``). Exported configs run in
 secure mode (noise from OS entropy, never stored): a released model's noise must not be
 reproducible from a logged seed.
 """
@@ -18,7 +22,6 @@ reproducible from a logged seed.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +33,9 @@ from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
+from dpivon.search.report import PRIVATE_TUNING_FILE
 from dpivon.search.storage import SweepStorage, local_copy
-from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE
+from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE, SweepState
 from dpivon.search.trial import MODEL_FILE
 
 DEFAULT_STORAGE = "dpivon-runs"
@@ -76,16 +80,48 @@ def trial_config(row: pd.Series) -> TrainConfig:
     return TrainConfig.model_validate(state["config"])
 
 
-def tuning_cost(storage: SweepStorage, group: str) -> TuningCost | None:
-    """The tuning cost of ``group`` from the sweep's report (None for non-private groups)."""
+def departure(storage: SweepStorage, how: str | None) -> str | None:
+    """Why ``--pick how`` is not covered by a ``release: best`` sweep's random-trials bound
+    (one line), or None: the sweep declared no release pick, or ``how`` is it."""
+    declared = SweepState.load(storage).release_pick
+    if declared is None or how in (None, declared):
+        return None
+    return (
+        f"--pick {how} is not the model the sweep releases (release: best, --pick {declared}): "
+        "the random-trials bound does not cover this selection, so the exported configs "
+        "carry the composition of all the group's trials instead"
+    )
+
+
+def _composition_cost(storage: SweepStorage, group: str, report: dict, why: str) -> dict:
+    """The composition in place of a random-trials bound (from the private facts)."""
+    if not storage.exists(PRIVATE_TUNING_FILE):
+        raise DpivonError(
+            f"sweep in {storage.uri} has no {PRIVATE_TUNING_FILE}; finish it with `dpivon "
+            "sweep PIPELINE --resume`, or export the sweep's own pick"
+        )
+    facts = storage.read_json(PRIVATE_TUNING_FILE)[group]
+    return {
+        **report,
+        "quoted_epsilon": facts["composition_epsilon"],
+        "quoted_rdp": facts["composition_rdp"],
+        "quote": f"composition_epsilon: {why}.",
+    }
+
+
+def tuning_cost(storage: SweepStorage, group: str, departs: str | None = None) -> TuningCost | None:
+    """The tuning cost of ``group`` from the sweep's report (None for non-private groups);
+    ``departs`` (see :func:`departure`): the composition instead of a random-trials bound."""
     if not storage.exists(TUNING_FILE):
         raise DpivonError(
             f"sweep in {storage.uri} has no {TUNING_FILE}; finish it with `dpivon sweep "
             "PIPELINE --resume` (its tuning cost is part of every exported config)"
         )
-    report = json.loads(storage.read_text(TUNING_FILE)).get(group)
+    report = storage.read_json(TUNING_FILE).get(group)
     if report is None:
         return None
+    if departs is not None and "random_trials_epsilon" in report:
+        report = _composition_cost(storage, group, report, departs)
     return TuningCost(
         sweep=storage.name,
         group=group,
@@ -116,7 +152,7 @@ def production_config(
 def export_configs(
     storage: SweepStorage,
     objectives: list[tuple[str, str]],
-    how: str,
+    how: str | None,
     *,
     optimizer: str | None = None,
     epsilon: float | None = None,
@@ -124,7 +160,13 @@ def export_configs(
     full_data: bool = True,
     secure_mode: bool = True,
 ) -> list[tuple[dict[str, Any], TrainConfig]]:
-    """Picked trials per (optimizer, epsilon) group, with their production configs."""
+    """Picked trials per (optimizer, epsilon) group, with their production configs.
+
+    ``how`` None: the sweep's release pick (``release: best``), else ``knee``. ``epsilon``
+    is a group's budget (with ``total_epsilon``, the total; not what each trial spent).
+    """
+    departs = departure(storage, how)
+    how = how or SweepState.load(storage).release_pick or "knee"
     _, front = load_results(storage)
     if optimizer is not None:
         front = front[front["optimizer"] == optimizer]
@@ -140,7 +182,7 @@ def export_configs(
                 trial,
                 epochs=epochs,
                 full_data=full_data,
-                tuning=tuning_cost(storage, row["group"]),
+                tuning=tuning_cost(storage, row["group"], departs),
                 secure_mode=secure_mode,
             )
             picked.append((row.to_dict(), config))

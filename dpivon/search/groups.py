@@ -32,12 +32,10 @@ from ray.tune.search.optuna import OptunaSearch
 from dpivon.data import DataSplits
 from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
 from dpivon.search.pipeline import Pipeline, Resources
-from dpivon.search.results import GROUP_TAG, group_name
+from dpivon.search.results import BUDGET_TAG, GROUP_TAG, TRIAL_EPSILON_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.storage import SweepStorage
-from dpivon.search.trial import COMPLETE, DIVERGED, run_trial
-
-GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
+from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, run_trial
 
 
 @dataclass(frozen=True)
@@ -47,16 +45,20 @@ class SweepGroup:
     name: str
     optimizer: str
     epsilon: float  # the group's budget (names it)
-    trials: int  # drawn for this group
+    trials: int  # drawn for this group: private (K), never logged
     base_config: dict[str, Any]  # what each trial starts from (with the epsilon it spends)
     space: SearchSpace
 
     @property
     def tags(self) -> dict[str, str]:
+        """Its trials' tags: the group's budget and the epsilon each trial spends are two
+        fields (they differ under ``total_epsilon``); fronts, hypervolumes, ``pareto`` and
+        ``export --epsilon`` go by the budget."""
         return {
             GROUP_TAG: self.name,
             "dpivon.optimizer": self.optimizer,
-            "dpivon.epsilon": f"{self.epsilon:g}",
+            BUDGET_TAG: repr(float(self.epsilon)),
+            TRIAL_EPSILON_TAG: repr(float(self.base_config["epsilon"])),
         }
 
 
@@ -65,20 +67,12 @@ def sweep_groups(
 ) -> list[SweepGroup]:
     """The pipeline's groups, epsilon by epsilon in the listed orders."""
     groups = []
-    for epsilon in pipeline.epsilon_list:
-        for optimizer in pipeline.optimizer_names:
-            name = group_name(optimizer, epsilon)
-            base = pipeline.base_train_config(optimizer, epsilon, trial_epsilons[name])
-            groups.append(
-                SweepGroup(
-                    name,
-                    optimizer,
-                    epsilon,
-                    counts[(optimizer, epsilon)],
-                    base,
-                    pipeline.spaces[optimizer],
-                )
-            )
+    for optimizer, epsilon in pipeline.groups:
+        name = group_name(optimizer, epsilon)
+        base = pipeline.base_train_config(optimizer, epsilon, trial_epsilons[name])
+        trials = counts[(optimizer, epsilon)]
+        space = pipeline.spaces[optimizer]
+        groups.append(SweepGroup(name, optimizer, epsilon, trials, base, space))
     return groups
 
 
@@ -267,7 +261,8 @@ class GroupCallbacks(tune.Callback):
                 self.groups[group].set_state(group_state)
 
 
-def _sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
+def _sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
+    """Optuna's sampler ``name``; seed None: seeded from the OS entropy source."""
     samplers = {
         "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
         "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
@@ -309,12 +304,14 @@ def group_tuner(
     one ASHA per group, each group's MLflow logger (checkpoints tagged as locations on
     ``storage``) and progress line."""
     (first_metric, first_mode), (second_metric, second_mode) = pipeline.objective_pairs
+    secret_draws = pipeline.hides_trial_count
     studies = {
         g.name: CompletionAwareOptunaSearch(
             space=g.space.define_by_run,
             metric=[first_metric, second_metric],
             mode=[first_mode, second_mode],
-            sampler=_sampler(pipeline.sampler, pipeline.seed),
+            # the random-trials bound assumes draws the adversary cannot replay
+            sampler=_sampler(pipeline.sampler, None if secret_draws else pipeline.seed),
         )
         for g in groups
     }
@@ -339,7 +336,13 @@ def group_tuner(
                 MlflowTrialLogger(
                     tracking_uri, experiment, parent_run_id, g.base_config, g.space, g.tags, storage
                 ),
-                SweepProgress(g.name, g.trials, first_metric, first_mode),
+                SweepProgress(
+                    g.name,
+                    None if secret_draws else g.trials,
+                    None if secret_draws else sum(h.trials for h in groups),
+                    first_metric,
+                    first_mode,
+                ),
             ]
             for g in groups
         }

@@ -23,34 +23,48 @@ shown or described)::
     optimizers:                      # each optimizer once, with its search-space file
       - {name: dp-ivon-gradsq, space: ../search_spaces/quickstart/dp-ivon-gradsq.yaml}
       - {name: dp-sgd, space: ../search_spaces/quickstart/dp-sgd.yaml}
-    trials: 4                        # per optimizer and epsilon (the mean if drawn), >= 1
-    trial_count: fixed               # fixed | poisson | geometric (see trial_counts)
-    concurrency: 2                   # trials in flight sweep-wide, >= 1; null: all resources allow
+    trials: 4                        # per optimizer and epsilon (the mean if drawn), 1-10000
+    trial_count: fixed               # fixed | poisson | geometric: drawn from OS entropy,
+                                     # kept private (see trial_counts)
+    # best_by: val_accuracy          # release: best only: the one metric (an objective)
+    #                                # that picks the released model; default the first
+    concurrency: 2                   # in flight sweep-wide, 1-4096; null: all resources allow
     resources: {cpu: 1, gpu: 0}      # per trial; gpu may be fractional (0.25)
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: none}
     objectives:                      # exactly two, distinct
       - {metric: val_accuracy, mode: max}
       - {metric: val_ece, mode: min}
     sampler: tpe                     # tpe | nsga2 | random
-    seed: 0                          # data split, training and Optuna seed; >= 0
+    seed: 0                          # data split, training and Optuna seed; in [0, 2**32)
+                                     # (not the random sampler's where the random-trials
+                                     # bound holds)
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
                                      # s3://bucket/prefix, gs://..., file:// (search.storage)
-    max_failures: 1                  # per-trial retries from the last epoch checkpoint, >= 0
+    max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
+    #   (neither train: may set a key the optimizer's space sets: the space would win)
 
 A space path is looked up relative to the pipeline file's directory, then relative to the
 current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
 it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metrics among
 ``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min).
 
-Loading validates everything it can without data or Ray: each problem is one
-:class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes that the
-largest batch size of every space fits the training set, that ``train`` neither repeats a
-key the pipeline owns nor one a space samples, and that every trial the spaces can produce
-(bounds and choices) is a valid TrainConfig with this pipeline's settings.
+A non-private optimizer spends no budget, so its trials form one group labelled
+``eps=inf`` (epsilon inf in its configs and runs) whatever ``epsilons`` lists.
+
+Loading validates everything it can without data or Ray (a key given twice in the file is
+an error, not the last one winning; files above 1 MiB are refused unread): each problem is
+one :class:`~dpivon.errors.DpivonError` line naming the file and the key. That includes
+``delta < 1/N`` for the N training images, that the largest batch size of every space fits
+the training set, that neither ``train`` nor a space sets a key the pipeline owns (the keys
+:meth:`Pipeline.owned_settings` builds for every trial: data, model, epochs, optimizer,
+epsilon, delta, accountant, validation noise, seed, secure mode) and ``train`` repeats none
+a space samples, that every epsilon is reachable (at least the accountant's floor with the
+most noise, at most 1000), and that every trial the spaces can produce (bounds and choices)
+is a valid TrainConfig with this pipeline's settings.
 """
 
 from __future__ import annotations
@@ -58,7 +72,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import zlib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -76,7 +89,6 @@ from pydantic import (
 
 from dpivon.config import (
     CIFAR10_TRAIN_IMAGES,
-    FLAT_KEYS,
     DataConfig,
     ModelConfig,
     TrainConfig,
@@ -85,9 +97,11 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Count, Float, Int, Probability
+from dpivon.constraints import Bound, Count, Float, Int, Probability
 from dpivon.errors import DpivonError
-from dpivon.optim.registry import OptimizerName
+from dpivon.optim.registry import OPTIMIZERS, OptimizerName
+from dpivon.privacy.accounting import check_delta, check_plan_reachable
+from dpivon.privacy.tuning import SweepConditions
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -105,42 +119,30 @@ METRIC_MODES: dict[str, str] = {
     "val_nll": "min",
     "val_brier": "min",
 }
-# Config sections whose fields the pipeline's own keys set (data:, model:, epochs:,
-# epsilons:, delta:, accountant:, validation_noise:, seed:); `train:` may not repeat them
-_PIPELINE_SECTIONS = ("data", "model")
-_PIPELINE_KEYS = (
-    "optimizer",
-    "epochs",
-    "epsilon",
-    "delta",
-    "accountant",
-    "seed",
-    "val_noise_multiplier",
-)
 _NAME = re.compile(r"[a-z0-9_-]+")
+# Upper bounds of the counts, each with what it protects
+MAX_TRIALS = 10_000
+_TRIALS_WHY = "per group, each trial a whole training run; split a larger search into sweeps"
+MAX_CONCURRENCY = 4096
+CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
+MAX_RETRIES = 100
+_RETRIES_WHY = "retries of one trial; one that failed 100 times will fail again"
 
 
-def _owned_by_pipeline(key: str) -> bool:
-    return key in _PIPELINE_KEYS or FLAT_KEYS[key][0] in _PIPELINE_SECTIONS
+def group_budget(optimizer: str, epsilon: float) -> float:
+    """The budget that labels a group of ``optimizer`` at the listed ``epsilon``: that
+    epsilon, or inf for a non-private optimizer, which spends none whatever is listed."""
+    return float(epsilon) if OPTIMIZERS[optimizer].private else math.inf
 
 
-def train_extras(train: Any, kind: str) -> Any:
-    """A ``train:`` block as flat TrainConfig keys: keys (flat, or paths such as
-    ``optimizer.lr``) that the run file does not set with keys of its own."""
+def train_extras(train: Any) -> Any:
+    """A ``train:`` block as flat TrainConfig keys (given flat, or as paths such as
+    ``optimizer.lr``); :class:`RunFile` checks that it sets none the file owns."""
     if train is None:
         return {}
     if not isinstance(train, dict):
         return train  # the dict type check reports it
-    flat = {}
-    for key, value in train.items():
-        flat_key = config_key(str(key))
-        if _owned_by_pipeline(flat_key):
-            raise ValueError(
-                f"{key} is a {kind} setting, not a train extra; set it with the {kind}'s "
-                "own key (data:, model:, epochs:, epsilons:, ...)"
-            )
-        flat[flat_key] = value
-    return flat
+    return {config_key(str(key)): value for key, value in train.items()}
 
 
 class _Strict(BaseModel):
@@ -155,7 +157,7 @@ class OptimizerEntry(_Strict):
     name: OptimizerName
     space: str = Field(min_length=1)
     # fixed keys for this optimizer only
-    train: Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "pipeline"))] = {}
+    train: Annotated[dict[str, Any], BeforeValidator(train_extras)] = {}
 
 
 class Resources(_Strict):
@@ -175,7 +177,7 @@ class Resources(_Strict):
 
 class AshaScheduler(_Strict):
     type: Literal["asha"]
-    grace_period: Int = Field(1, ge=1)
+    grace_period: Annotated[Int, Bound(ge=1)] = 1
     reduction_factor: Float = Field(2.0, gt=1)
 
 
@@ -253,7 +255,7 @@ class RunFile(_Strict):
     @field_validator("train", mode="before")
     @classmethod
     def _check_train(cls, train: Any) -> Any:
-        return train_extras(train, cls.noun)
+        return train_extras(train)
 
     @field_validator("data")
     @classmethod
@@ -261,6 +263,28 @@ class RunFile(_Strict):
         if data.dataset != "synthetic" and "synthetic_size" in data.model_fields_set:
             raise ValueError("synthetic_size applies to dataset synthetic only; remove it")
         return data
+
+    @property
+    def owned_keys(self) -> frozenset[str]:
+        """The TrainConfig keys this file's own keys set for every run: the keys of what
+        builds a run's config (a subclass's), so no second list can disagree with it."""
+        raise NotImplementedError
+
+    def train_blocks(self) -> dict[str, dict[str, Any]]:
+        """Every ``train:`` block of the file, by where it is."""
+        return {"train": self.train}
+
+    @model_validator(mode="after")
+    def _check_runs(self) -> RunFile:
+        check_delta(self.delta, self.data.train_size)
+        for where, train in self.train_blocks().items():
+            owned = [key for key in train if key in self.owned_keys]
+            if owned:
+                raise ValueError(
+                    f"{where}: {owned[0]} is a {self.noun} setting, not a train extra; set it "
+                    f"with the {self.noun}'s own key (data:, model:, epochs:, epsilons:, ...)"
+                )
+        return self
 
     def shared_train_config(self, seed: int) -> dict[str, Any]:
         """The TrainConfig keys (flat) every run of this file starts from: its data (the
@@ -303,26 +327,40 @@ class Pipeline(RunFile):
     # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
     total_epsilon: Float | None = None
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
-    validation_noise: Annotated[Float, Field(ge=0)] = (
+    # release: best: the metric (one of the objectives) that selects the one released model
+    best_by: str | None = None
+    validation_noise: Annotated[Float, Bound(ge=0)] = (
         0.0  # > 0: DP validation scores (val_noise_multiplier)
     )
     optimizers: list[OptimizerEntry] = Field(min_length=1)
-    trials: Int = Field(ge=1)
+    trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
     trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
     # trials in flight at once over the whole sweep (all groups); None: as many as fit
-    concurrency: Int | None = Field(1, ge=1)
+    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
     scheduler: Scheduler = NoScheduler(type="none")
     objectives: list[Objective] = [
         Objective(metric="val_accuracy", mode="max"),
         Objective(metric="val_ece", mode="min"),
     ]
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
-    seed: Annotated[Int, Field(ge=0)] = 0
-    max_failures: Annotated[Int, Field(ge=0)] = 1
+    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
 
     # -- validation ----------------------------------------------------------------------------
+
+    @model_validator(mode="after")
+    def _check_best_by(self) -> Pipeline:
+        if self.best_by is not None and self.release != "best":
+            raise ValueError(f"best_by applies to release: best only, not {self.release}")
+        metrics = [o.metric for o in self.objectives]
+        if self.best_by is not None and self.best_by not in metrics:
+            raise ValueError(
+                f"best_by must be one of the objectives ({', '.join(metrics)}), got "
+                f"{self.best_by!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_budget_kind(self) -> Pipeline:
@@ -405,6 +443,60 @@ class Pipeline(RunFile):
         return [e.name for e in self.optimizers]
 
     @property
+    def selection_metric(self) -> str | None:
+        """``release: best``: the metric that picks the one released model (``best_by``,
+        else the first objective); None for the other releases."""
+        if self.release != "best":
+            return None
+        return self.best_by or self.objectives[0].metric
+
+    @property
+    def release_pick(self) -> str | None:
+        """``release: best``: the export pick (dpivon.search.pareto.PICKS) that selects the
+        released model: best in the first objective (``max-accuracy``) or the second."""
+        metric = self.selection_metric
+        if metric is None:
+            return None
+        return "max-accuracy" if metric == self.objectives[0].metric else "min-ece"
+
+    @property
+    def conditions(self) -> SweepConditions:
+        """How its trials are chosen and what is released: what the tuning bounds assume."""
+        return SweepConditions(
+            trial_count=self.trial_count,
+            mean_trials=float(self.trials),
+            adaptive_sampler=self.sampler != "random",
+            adaptive_scheduler=self.scheduler.type != "none",
+            release=self.release,
+        )
+
+    @property
+    def hides_trial_count(self) -> bool:
+        """Whether the random-trials bound is quoted: it holds only while K and the random
+        sampler's draws stay unknown, so both come from the OS entropy source and K is
+        neither logged nor reported."""
+        return not self.conditions.random_trials_obstacles()
+
+    @property
+    def groups(self) -> list[tuple[str, float]]:
+        """Every (optimizer, budget) group, epsilon by epsilon in the listed orders; a
+        non-private optimizer has one group, at budget inf (see :func:`group_budget`)."""
+        keys = [
+            (name, group_budget(name, eps))
+            for eps in self.epsilon_list
+            for name in self.optimizer_names
+        ]
+        return list(dict.fromkeys(keys))
+
+    @property
+    def owned_keys(self) -> frozenset[str]:
+        return frozenset(self.owned_settings(self.optimizers[0].name, math.inf))
+
+    def train_blocks(self) -> dict[str, dict[str, Any]]:
+        entries = {f"optimizers.{i}.train": e.train for i, e in enumerate(self.optimizers)}
+        return {"train": self.train, **entries}
+
+    @property
     def objective_pairs(self) -> list[tuple[str, str]]:
         """The two objectives as (metric, mode) pairs; the first one drives ASHA."""
         return [(o.metric, o.mode) for o in self.objectives]
@@ -427,18 +519,27 @@ class Pipeline(RunFile):
         return {"fixed": None, "poisson": math.inf, "geometric": 1.0}[self.trial_count]
 
     def trial_counts(self) -> dict[tuple[str, float], int]:
-        """The number of trials of each (optimizer, epsilon) group, in listed order.
+        """The number of trials of each (optimizer, budget) group, in listed order.
 
-        ``fixed``: ``trials``. Otherwise drawn once per group with
-        :func:`draw_trial_count` (seed = the pipeline seed plus a stable per-group key), so
-        the same pipeline always gets the same counts, and resuming a sweep does too.
+        ``fixed``: ``trials``. Otherwise drawn once per group by :func:`draw_trial_count`
+        from the OS entropy source: a sweep calls this once when it starts and keeps the
+        counts in its state file (private, like the checkpoints), so a resume keeps them.
         """
+        return {group: draw_trial_count(self.trial_count, self.trials) for group in self.groups}
+
+    def owned_settings(self, optimizer: str, epsilon: float) -> dict[str, Any]:
+        """The TrainConfig keys the pipeline's own keys set for every trial of a group that
+        spends ``epsilon``: :attr:`owned_keys`, which no search space or ``train:`` may
+        set, are this mapping's keys."""
         return {
-            (name, eps): draw_trial_count(
-                self.trial_count, self.trials, self.seed, f"{name}@{eps!r}"
-            )
-            for name in self.optimizer_names
-            for eps in self.epsilon_list
+            **self.shared_train_config(self.seed),
+            "optimizer": optimizer,
+            "epsilon": float(epsilon),
+            "val_noise_multiplier": self.validation_noise,
+            # Each trial's training seed (and so its noise) is derived from the pipeline
+            # seed and the trial id: see dpivon.search.trial.
+            "seed": self.seed,
+            "secure_mode": False,  # research runs: the noise follows the seed
         }
 
     def base_train_config(
@@ -446,37 +547,31 @@ class Pipeline(RunFile):
     ) -> dict[str, Any]:
         """The TrainConfig keys every trial of (optimizer, epsilon) starts from.
 
-        Data fields, model, epochs, privacy settings, seed and the ``train`` extras; a trial's
-        config is this updated with ``spaces[optimizer].trial_config(...)``. With
-        ``total_epsilon``, ``epsilon`` names the group and ``trial_epsilon`` is what its
-        trials spend.
+        The pipeline's :meth:`owned_settings` and the ``train`` extras; a trial's config is
+        this updated with ``spaces[optimizer].trial_config(...)``. With ``total_epsilon``,
+        ``epsilon`` names the group and ``trial_epsilon`` is what its trials spend. A
+        non-private optimizer's group is at inf, whatever ``epsilon`` is given.
         """
         if optimizer not in self._spaces:
             raise DpivonError(
                 f"pipeline {self.path}: no optimizer {optimizer!r}; it has "
                 f"{', '.join(self.optimizer_names)}"
             )
-        if float(epsilon) not in self.epsilon_list:
+        budget = group_budget(optimizer, epsilon)
+        if (optimizer, budget) not in self.groups:
             raise DpivonError(
                 f"pipeline {self.path}: no epsilon {epsilon}; it has "
                 f"{', '.join(map(str, self.epsilon_list))}"
             )
-        config = {
-            **self.shared_train_config(self.seed),
-            "optimizer": optimizer,
-            "epsilon": float(epsilon if trial_epsilon is None else trial_epsilon),
-            "val_noise_multiplier": self.validation_noise,
-            # Each trial's training seed (and so its noise) is derived from the pipeline
-            # seed and the trial id: see dpivon.search.trial.
-            "seed": self.seed,
-        }
+        spent = budget if trial_epsilon is None or math.isinf(budget) else trial_epsilon
+        config = self.owned_settings(optimizer, spent)
         config.update(self.train)
         config.update(next(e.train for e in self.optimizers if e.name == optimizer))
         return config
 
 
-def draw_trial_count(trial_count: str, mean: int, seed: int, key: str) -> int:
-    """How many trials one (optimizer, epsilon) group runs; >= 0, deterministic.
+def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | None = None) -> int:
+    """How many trials one (optimizer, epsilon) group runs; >= 0.
 
     - ``fixed``: ``mean``.
     - ``geometric``: P(K = k) = (1 - g)^(k-1) g for k >= 1 with g = 1 / mean, so E[K] = mean.
@@ -487,14 +582,15 @@ def draw_trial_count(trial_count: str, mean: int, seed: int, key: str) -> int:
       and releases nothing, and the tuning report records it (moving it to 1 would change
       the distribution the bound assumes).
 
-    The generator is ``numpy.random.default_rng([seed, crc32(key)])``: the pipeline seed
-    plus a stable per-group offset (``key`` names the group, e.g. ``"dp-sgd@8.0"``).
+    The bound holds only for a K the adversary does not know, so ``rng`` defaults to a
+    generator seeded from the OS entropy source (never from a public seed); K is never
+    logged or reported (the reports state its distribution only).
     """
     if mean < 1:
         raise DpivonError(f"the mean number of trials must be >= 1, got {mean}")
     if trial_count == "fixed":
         return int(mean)
-    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    rng = np.random.default_rng() if rng is None else rng
     if trial_count == "geometric":
         return int(rng.geometric(1.0 / mean))
     if trial_count == "poisson":
@@ -528,6 +624,13 @@ def load_pipeline(path: str | Path) -> Pipeline:
                 f"{prefix}: {space_path} is a space for {space.optimizer}, not for "
                 f"{entry.name}; point {entry.name} at its own space file"
             )
+        owned = [name for name, key in space.keys.items() if key in pipeline.owned_keys]
+        if owned:
+            raise DpivonError(
+                f"{prefix}: {space_path}: params.{owned[0]}: {space.keys[owned[0]]} is set by "
+                "the pipeline for every trial (its privacy budget, data, seed, ...), not by a "
+                "search space; remove it here"
+            )
         spaces[entry.name] = space
     pipeline._spaces = spaces
     _check_trials(pipeline, where)
@@ -556,14 +659,17 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
     default_batch = pipeline.train.get(
         "batch_size", TrainingConfig.model_fields["batch_size"].default
     )
-    for i, (name, space) in enumerate(pipeline.spaces.items()):
+    for i, (entry, (name, space)) in enumerate(
+        zip(pipeline.optimizers, pipeline.spaces.items(), strict=True)
+    ):
         prefix = f"invalid {where}: optimizers.{i} ({name}, {space.path})"
-        both = [k for k in pipeline.train if k in space.names]
-        if both:
-            raise DpivonError(
-                f"{prefix}: {', '.join(both)} set both under train: and by the search space; "
-                "keep one"
-            )
+        for block, train in (("train:", pipeline.train), (f"optimizers.{i}.train:", entry.train)):
+            both = [k for k in train if k in space.names]
+            if both:
+                raise DpivonError(
+                    f"{prefix}: {', '.join(both)} set both under {block} and by the search "
+                    "space, which would override it; keep one"
+                )
         batch = space.max_value("batch_size")
         batch = default_batch if batch is None else batch
         if isinstance(batch, int | float) and batch > n_train:
@@ -572,15 +678,22 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
                 "(after the validation split and per_class); lower the space's batch_size "
                 "bounds (search_spaces/quickstart/ has spaces for small data)"
             )
-        for eps in pipeline.epsilon_list:
+        for optimizer, eps in pipeline.groups:
+            if optimizer != name:
+                continue
             base = pipeline.base_train_config(name, eps)
             try:
-                TrainConfig.model_validate(base)
+                config = TrainConfig.model_validate(base)
             except ValidationError as err:
                 raise DpivonError(
                     f"invalid {where}: the trial settings of {name} at epsilon {eps} are not "
                     f"a valid TrainConfig: {format_validation_error(err)}"
                 ) from None
+            if config.is_private and pipeline.epsilons is not None:
+                try:
+                    check_plan_reachable(config, space.max_value("batch_size"))
+                except DpivonError as err:
+                    raise DpivonError(f"{prefix}: epsilons: {err}") from None
             for description, values in space.bound_configs():
                 try:
                     TrainConfig.model_validate({**base, **values})

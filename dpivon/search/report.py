@@ -1,12 +1,18 @@
 """What a sweep concludes, from its MLflow record: fronts, test scores, privacy, plots.
 
 When every trial has run, :func:`report_sweep` builds the Pareto front of each group
-(validation metrics, completed trials only; dpivon.search.pareto), evaluates its members on
-the test set, and logs on the parent run: the hypervolume of each front, the trial
-outcomes, the tuning-privacy report of each private group (dpivon.privacy.tuning), the
-tables, the plots, and a Markdown description (the fronts and the epsilons to quote). The
-same accounting, run before the sweep, solves the per-trial epsilon of a ``total_epsilon``
-budget (:func:`solve_trial_epsilons`).
+(validation metrics, completed trials only; dpivon.search.pareto), evaluates the released
+models on the test set and logs them (the front's members; with ``release: best`` only the
+one best by the pipeline's metric) where their runs do not hold their test scores and model
+yet, and, from the record read back, logs on the parent run: the hypervolume of each front,
+the trial outcomes, the tuning-privacy report of each private group
+(dpivon.privacy.tuning), the tables, the plots, and a Markdown description (the fronts and
+the epsilons to quote). Finishing again (a resumed finished sweep) therefore writes the same
+files and logs nothing twice. Where the random-trials bound is quoted, nothing on the parent
+run reveals how many trials ran (no counts, no composition): those facts go to
+``tuning_private.json`` in the sweep's folder only, private like its state file and
+checkpoints. The same accounting, run before the sweep, solves the per-trial epsilon of a
+``total_epsilon`` budget (:func:`solve_trial_epsilons`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
 from dpivon.privacy.tuning import (
-    SweepConditions,
     TrialMechanism,
     candidate_mechanisms,
+    composition_facts,
     solve_trial_epsilon,
     tuning_privacy_report,
     worst_case_tuning_epsilon,
@@ -37,6 +43,7 @@ from dpivon.search.pareto import (
     default_reference,
     hypervolume_2d,
     pareto_front,
+    pick,
     plot_fronts_html,
     plot_fronts_png,
     print_front_table,
@@ -45,11 +52,13 @@ from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import TrialStatus, group_name, trials_table
 from dpivon.search.storage import SweepStorage, local_copy
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import Tracker, load_checkpoint, log_model
+from dpivon.tracking import Tracker, has_logged_model, load_checkpoint, log_model
 
 TRIALS_FILE = "trials.csv"
 FRONT_FILE = "pareto_front.csv"
 TUNING_FILE = "tuning_privacy.json"
+# The trial counts and compositions a hidden-K report leaves out: the sweep's folder only
+PRIVATE_TUNING_FILE = "tuning_private.json"
 PNG_FILE = "pareto.png"
 HTML_FILE = "pareto.html"
 TEST_COLUMNS = ("test_accuracy", "test_ece", "test_nll")
@@ -58,16 +67,6 @@ console = Console(stderr=True)
 
 
 # --- tuning privacy -------------------------------------------------------------------------
-
-
-def sweep_conditions(pipeline: Pipeline) -> SweepConditions:
-    return SweepConditions(
-        trial_count=pipeline.trial_count,
-        mean_trials=float(pipeline.trials),
-        adaptive_sampler=pipeline.sampler != "random",
-        adaptive_scheduler=pipeline.scheduler.type != "none",
-        release=pipeline.release,
-    )
 
 
 def group_candidates(
@@ -96,10 +95,13 @@ def solve_trial_epsilons(
     whose quoted tuning epsilon (worst case over the space) is at most the total."""
     if pipeline.total_epsilon is None:
         return {group_name(o, e): e for o, e in counts}
-    conditions, total = sweep_conditions(pipeline), pipeline.total_epsilon
+    conditions, total = pipeline.conditions, pipeline.total_epsilon
     solved = {}
-    for optimizer in pipeline.optimizer_names:
-        trials = counts[(optimizer, total)]
+    for optimizer, budget in pipeline.groups:
+        if math.isinf(budget):  # non-private: spends nothing
+            solved[group_name(optimizer, budget)] = budget
+            continue
+        trials = counts[(optimizer, budget)]
         console.print(f"solving the per-trial epsilon of {optimizer} for total {total:g}...")
         eps = solve_trial_epsilon(
             total,
@@ -107,8 +109,9 @@ def solve_trial_epsilons(
                 group_candidates(pipeline, o, e), pipeline.delta, conditions, k
             ),
         )
-        console.print(f"  {optimizer}: each of {trials} trials spends epsilon {eps:.3f}")
-        solved[group_name(optimizer, total)] = eps
+        how_many = "each trial" if pipeline.hides_trial_count else f"each of {trials} trials"
+        console.print(f"  {optimizer}: {how_many} spends epsilon {eps:.3f}")
+        solved[group_name(optimizer, budget)] = eps
     return solved
 
 
@@ -117,18 +120,18 @@ def tuning_privacy(
     pipeline: Pipeline,
     trial_epsilons: dict[str, float],
     counts: dict[tuple[str, float], int],
-) -> dict[str, dict[str, Any]]:
-    """Per private group: what its trials cost, under which threat model, what to quote."""
-    conditions = sweep_conditions(pipeline)
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Per private group: what its trials cost, under which threat model, what to quote
+    (released), and the composition of the trials that ran with their number (kept
+    private where the released report must not reveal the trial count)."""
+    conditions = pipeline.conditions
     releases = pipeline.epochs if pipeline.validation_noise > 0 else 0
-    reports = {}
+    reports, private = {}, {}
     for (optimizer, budget), drawn in counts.items():
         group = group_name(optimizer, budget)
         trial_eps = trial_epsilons[group]
-        if math.isinf(trial_eps) or not parse_config(
-            pipeline.base_train_config(optimizer, budget, trial_eps)
-        ).is_private:
-            continue
+        if math.isinf(trial_eps):
+            continue  # non-private, or no noise: nothing to account for
         ran = trials[trials["group"] == group]
         facts = ["noise_multiplier", "sample_rate", "steps"]
         ran = ran.dropna(subset=facts) if set(facts) <= set(ran.columns) else ran.iloc[0:0]
@@ -139,47 +142,61 @@ def tuning_privacy(
             )
             for r in ran.itertuples()
         ]
-        if not mechanisms and drawn > 0:
+        hidden = pipeline.hides_trial_count
+        if not mechanisms and drawn > 0 and not hidden:
             continue  # every trial failed before training: nothing ran, nothing to report
-        needs_candidates = drawn > 0 and not conditions.random_trials_obstacles()
         report = tuning_privacy_report(
             mechanisms,
             pipeline.delta,
             conditions,
-            candidates=group_candidates(pipeline, optimizer, trial_eps) if needs_candidates else (),
-            drawn_trials=drawn,
+            candidates=group_candidates(pipeline, optimizer, trial_eps) if hidden else (),
+            accountant=pipeline.accountant,
         )
         report["trial_epsilon"] = trial_eps
         if pipeline.total_epsilon is not None:
             report["total_epsilon"] = pipeline.total_epsilon
+        if pipeline.selection_metric is not None:
+            report["selected_by"] = pipeline.selection_metric
         reports[group] = report
-    return reports
+        private[group] = composition_facts(mechanisms, pipeline.delta)
+    return reports, private
 
 
 # --- fronts ---------------------------------------------------------------------------------
 
 
-def evaluate_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> pd.DataFrame:
-    """Test metrics of the front members (selected on validation, never on test), logged
-    with their models on their runs."""
-    test_rows = []
+def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
+    """The front rows whose models the sweep releases: every member, or with ``release:
+    best`` exactly one per group, the best by the pipeline's metric."""
+    if pipeline.release_pick is None or front.empty:
+        return front
+    return pick(front, pipeline.objective_pairs, pipeline.release_pick, by=("optimizer", "epsilon"))
+
+
+def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> None:
+    """Test metrics and model of each front member (selected on validation, never on test),
+    logged on its run unless its run records them already: finishing again (a resumed
+    finished sweep) evaluates and logs nothing twice."""
     for row in front.itertuples():
-        with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
-            config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
-        result = evaluate(
-            model,
-            data.test,
-            posterior=posterior,
-            bma_samples=config.evaluation.bma_samples,
-            n_bins=config.evaluation.ece_bins,
-            seed=config.runtime.seed,
-        )
-        test = {f"test_{k}": v for k, v in result.metrics.items()}
-        tracker.log_metrics(row.run_id, test, step=config.training.epochs)
-        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})
-        log_model(tracker, row.run_id, config, model, posterior)
-        test_rows.append({"trial_id": row.trial_id, **test})
-    return front.merge(pd.DataFrame(test_rows), on="trial_id", how="left") if test_rows else front
+        scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
+        modelled = has_logged_model(tracker, row.run_id)
+        if not (scored and modelled):
+            with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
+                config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
+            if not scored:
+                result = evaluate(
+                    model,
+                    data.test,
+                    posterior=posterior,
+                    bma_samples=config.evaluation.bma_samples,
+                    n_bins=config.evaluation.ece_bins,
+                    seed=config.runtime.seed,
+                )
+                test = {f"test_{k}": v for k, v in result.metrics.items()}
+                tracker.log_metrics(row.run_id, test, step=config.training.epochs)
+            if not modelled:
+                log_model(tracker, row.run_id, config, model, posterior)
+        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})  # a tag is replaced
 
 
 def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -> dict[str, float]:
@@ -194,11 +211,18 @@ def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -
     }
 
 
+def _trials_cell(report: dict[str, Any]) -> str:
+    if "num_trials" in report:
+        return str(report["num_trials"])
+    return f"{report['trial_count']}, mean {report['mean_trials']:g} (count private)"
+
+
 def parent_description(
     front: pd.DataFrame, objectives: list[tuple[str, str]], privacy: dict[str, dict[str, Any]]
 ) -> str:
-    """The parent run's Markdown description: the fronts and the epsilons to quote, within
-    MLflow's tag length (front rows that do not fit are left to the front's CSV)."""
+    """The parent run's Markdown description: the released front rows and the epsilons to
+    quote, within MLflow's tag length (rows that do not fit are left to the front's CSV).
+    A group whose trial count is private shows its distribution, not the count."""
     columns = [
         "optimizer",
         "epsilon",
@@ -223,9 +247,9 @@ def parent_description(
         "| group | trials | per-trial eps | composition eps | quoted eps | covers |",
         "|---|---|---|---|---|---|",
         *(
-            f"| {group} | {r['num_trials']} (drawn {r['drawn_trials']}) | "
-            f"{r['trial_epsilon']:.3g} | {r['composition_epsilon']:.3g} | "
-            f"{r['quoted_epsilon']:.3g} | {r['release']} release; {r['records_covered']} |"
+            f"| {group} | {_trials_cell(r)} | {r['trial_epsilon']:.3g} | "
+            f"{format(r['composition_epsilon'], '.3g') if 'composition_epsilon' in r else '-'} "
+            f"| {r['quoted_epsilon']:.3g} | {r['release']} release; {r['records_covered']} |"
             for group, r in privacy.items()
         ),
         "",
@@ -256,27 +280,33 @@ def report_sweep(
 ) -> pd.DataFrame:
     """Build and log everything the sweep concludes, its files both in the sweep's folder
     and on the parent run; returns the trials table."""
-    trials = trials_table(tracker, parent_run_id)
-    if trials.empty:
+    objectives, by = pipeline.objective_pairs, ("optimizer", "epsilon")
+    record = trials_table(tracker, parent_run_id)
+    if record.empty:
         raise DpivonError("the sweep recorded no trial; see the Ray logs above")
-    objectives = pipeline.objective_pairs
-    front = pareto_front(trials, objectives, by=("optimizer", "epsilon"))
-    front = evaluate_front_on_test(front, data, tracker)
+    front = pareto_front(record, objectives, by=by)
+    record_front_on_test(released_models(front, pipeline), data, tracker)
+    # Everything below is computed from the record alone, read back whole, so that a first
+    # finish and any resumed one write the same tables and log the same values.
+    trials = trials_table(tracker, parent_run_id)
+    front = pareto_front(trials, objectives, by=by)
+    released = released_models(front, pipeline)
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
 
-    privacy = tuning_privacy(trials, pipeline, trial_epsilons, counts)
+    privacy, private = tuning_privacy(trials, pipeline, trial_epsilons, counts)
     metrics = front_hypervolumes(front, objectives)
-    outcomes = trials["status"].value_counts()
-    for status in TrialStatus:
-        if status is not TrialStatus.RUNNING:
-            metrics[f"trials_{status}"] = float(outcomes.get(status, 0))
+    if not pipeline.hides_trial_count:  # the outcome counts add up to the trial count
+        outcomes = trials["status"].value_counts()
+        for status in TrialStatus:
+            if status is not TrialStatus.RUNNING:
+                metrics[f"trials_{status}"] = float(outcomes.get(status, 0))
     for group, report in privacy.items():
         for key, value in report.items():
             numeric = isinstance(value, float | int) and not isinstance(value, bool)
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
-    tracker.log_metrics(parent_run_id, metrics)
-    description = parent_description(front, objectives, privacy)
+    tracker.log_changed_metrics(parent_run_id, metrics)
+    description = parent_description(released, objectives, privacy)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
@@ -289,5 +319,6 @@ def report_sweep(
         for name in (TRIALS_FILE, FRONT_FILE, TUNING_FILE, PNG_FILE, HTML_FILE):
             storage.write_bytes(name, (local / name).read_bytes())
             tracker.log_artifact(parent_run_id, local / name)
+    storage.write_text(PRIVATE_TUNING_FILE, json.dumps(private, indent=2))  # never logged
     print_front_table(front, objectives, TEST_COLUMNS)
     return trials

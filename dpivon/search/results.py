@@ -18,6 +18,8 @@ TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
+BUDGET_TAG = "dpivon.epsilon"  # the group's budget: what its fronts and exports go by
+TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
 _PAGE = 1000  # child runs per MLflow query page
 
 
@@ -68,7 +70,11 @@ def trial_status(run: Run) -> TrialStatus:
 
 
 def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
-    """One row per trial: ids, group, outcome, checkpoint, ``param.*`` and last metrics."""
+    """One row per trial: ids, group, outcome, checkpoint, ``param.*`` and last metrics.
+
+    ``epsilon`` is the group's budget (every front, hypervolume, plot and ``--epsilon``
+    filter goes by it), ``trial_epsilon`` what the trial spent: the same number unless the
+    sweep has a ``total_epsilon``."""
     rows = []
     for run in child_runs(tracker, parent_run_id):
         tags, params = run.data.tags, run.data.params
@@ -78,7 +84,8 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
                 "run_id": run.info.run_id,
                 "group": tags.get(GROUP_TAG),
                 "optimizer": params.get("optimizer"),
-                "epsilon": float(params.get("epsilon", "nan")),
+                "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
+                "trial_epsilon": float(params.get("epsilon", "nan")),
                 "status": trial_status(run).value,
                 "checkpoint": tags.get(CHECKPOINT_TAG),
                 **{f"param.{k}": v for k, v in params.items()},

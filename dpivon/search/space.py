@@ -27,12 +27,13 @@ of those values); several names must all match, and a parameter whose condition 
 inactive one is inactive too. An inactive parameter is absent from the trial and keeps
 its default (the optimizer's: ``dpivon.optim.registry``).
 
-Every name is a training config key, flat (``lr``) or a path (``optimizer.lr``), see
-:func:`dpivon.config.config_key`, outside :data:`PIPELINE_OWNED_FIELDS` (a pipeline sets
-``device`` under ``train:``); or a *switch*: a categorical that some ``when`` names
-(``use_wd``), dropped from the trial's config. Loading checks the whole file and that every
-bound and choice is a valid TrainConfig value for the optimizer; each problem is one
-:class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
+A ``when`` names at least one parameter. Every name is a training config key, each set once
+(``lr`` and ``optimizer.lr`` are one field), flat (``lr``) or a path (``optimizer.lr``), see
+:func:`dpivon.config.config_key` (a pipeline refuses the keys it sets itself, see
+:meth:`dpivon.search.pipeline.Pipeline.owned_settings`); or a *switch*: a categorical that
+some ``when`` names (``use_wd``), dropped from the trial's config. Loading checks the whole
+file and that every bound and choice is a valid TrainConfig value for the optimizer; each
+problem is one :class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
 """
 
 from __future__ import annotations
@@ -64,14 +65,6 @@ from pydantic import (
 from dpivon.config import TrainConfig, config_key, format_validation_error, read_yaml_mapping
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZER_NAMES
-
-# TrainConfig fields a pipeline sets for every trial; search spaces may not sample or fix them.
-PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
-    *("optimizer", "epsilon", "delta", "accountant", "dataset", "data_path", "model"),
-    *("epochs", "seed", "data_seed", "secure_mode", "device", "val_size", "per_class"),
-    "synthetic_size",
-)
-
 
 # Optuna samples integers through floats, which hold them exactly up to 2**53 only.
 _IntBound = Annotated[StrictInt, Field(ge=-(2**53), le=2**53)]
@@ -334,10 +327,11 @@ def load_search_space(path: str | Path) -> SearchSpace:
             if not isinstance(param, CategoricalDistribution):
                 raise DpivonError(f"{prefix}: {err}; a switch must be categorical") from None
             continue
-        if keys[name] in PIPELINE_OWNED_FIELDS:
+        earlier = next((n for n in keys if n != name and keys[n] == keys[name]), None)
+        if earlier is not None:
             raise DpivonError(
-                f"{prefix}: {keys[name]} is set by the pipeline, not by a search space; remove "
-                "it here (a pipeline sets device under train:)"
+                f"{prefix}: {name} and {earlier} both set {keys[name]}; a space sets each "
+                "field once, under one name"
             )
     space = SearchSpace(raw.optimizer, params, conditions, keys, path)
     for description, config in space.bound_configs():
@@ -365,6 +359,8 @@ def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution,
         spec = spec_type.model_validate({k: v for k, v in value.items() if k != "type"})
     except ValidationError as err:
         raise DpivonError(f"{prefix}: {format_validation_error(err)}") from None
+    if "when" in value and not spec.when:
+        raise DpivonError(f"{prefix}: when is empty; name a parameter and its values, or drop it")
     if isinstance(spec, _Categorical):
         if len({_choice_key(c) for c in spec.choices}) != len(spec.choices):
             got = _shown.repr(spec.choices)

@@ -40,16 +40,19 @@ one-line :class:`~dpivon.errors.DpivonError` naming the URI.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from dpivon.errors import DpivonError
+from dpivon.paths import check_writable_folder
 from dpivon.tracking import redact_uri
 
 __all__ = ["SweepStorage", "local_copy", "open_uri"]
@@ -145,6 +148,12 @@ class SweepStorage:
                 f"cannot {what} {self.uri_of(self._full(name))}: {_one_line(err)}"
             ) from None
 
+    def check_writable(self) -> None:
+        """A local sweep folder can be made and written (checked without creating it); an
+        object store answers only when written, which the sweep's first write does."""
+        if self.is_local:
+            check_writable_folder(Path(self.path), "storage_path")
+
     def exists(self, name: str = "") -> bool:
         with self._errors("check", name):
             info = self.filesystem.get_file_info(self._full(name))
@@ -155,7 +164,25 @@ class SweepStorage:
             return f.read()
 
     def read_text(self, name: str) -> str:
-        return self.read_bytes(name).decode("utf-8")
+        data = self.read_bytes(name)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DpivonError(f"{self.uri_of(self._full(name))} is no UTF-8 text: {err}") from None
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A JSON object this sweep wrote; one line naming the file when it is damaged."""
+        where = self.uri_of(self._full(name))
+        try:
+            value = json.loads(self.read_text(name))
+        except json.JSONDecodeError as err:
+            raise DpivonError(
+                f"{where} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                "a damaged or half-written sweep file: restore it or start the sweep anew"
+            ) from None
+        if not isinstance(value, dict):
+            raise DpivonError(f"{where} holds no JSON object; a damaged sweep file")
+        return value
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write one file; on a local disk through a temporary file and a rename, so a

@@ -10,10 +10,11 @@ has run, dpivon.search.report builds the fronts and the report from the MLflow r
 
 Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / ``gs://``
 / ``file://`` through dpivon.search.storage): ``sweep.json`` (parent run, per-trial
-epsilons), the Tune experiment ``trials/`` (trial checkpoints, searcher state), the final
-tables and plots. SIGINT or SIGTERM stop the sweep cleanly (trials keep their
-checkpoints, the parent run ends KILLED, exit 128 + signal); ``--resume`` finishes what was
-interrupted.
+epsilons, each group's drawn trial count), the Tune experiment ``trials/`` (trial
+checkpoints, searcher state), ``tuning_private.json``, the final tables and plots. The
+state file, the Tune experiment and ``tuning_private.json`` are private, like the data.
+SIGINT or SIGTERM stop the sweep cleanly (trials keep their checkpoints, the parent run
+ends KILLED, exit 128 + signal); ``--resume`` finishes what was interrupted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -52,7 +54,7 @@ from dpivon.search.report import (
     report_sweep,
     solve_trial_epsilons,
 )
-from dpivon.search.results import child_runs, group_name
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
 from dpivon.search.storage import SweepStorage
 from dpivon.tracking import Tracker
 from dpivon.training import load_data
@@ -76,6 +78,7 @@ RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for mi
 NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
 SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
 _TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 console = Console(stderr=True)
 
 
@@ -92,13 +95,24 @@ class SweepState:
     # group -> the epsilon each of its trials spends (differs from the group's budget only
     # with total_epsilon); fixed when the sweep starts so that a resume keeps it
     trial_epsilons: dict[str, float] = field(default_factory=dict)
+    # group -> its number of trials K, drawn from OS entropy when the sweep starts: private
+    # (the random-trials bound holds only while K is unknown), never logged or reported
+    trial_counts: dict[str, int] = field(default_factory=dict)
+    # release: best: the export pick that selects the released model (None: any pick)
+    release_pick: str | None = None
 
     @classmethod
     def load(cls, storage: SweepStorage) -> SweepState:
-        state = json.loads(storage.read_text(STATE_FILE))
-        state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+        state = storage.read_json(STATE_FILE)
         known = {f.name for f in fields(cls)}  # older sweeps also listed their finished groups
-        return cls(**{k: v for k, v in state.items() if k in known})
+        try:
+            state["objectives"] = [tuple(pair) for pair in state["objectives"]]
+            return cls(**{k: v for k, v in state.items() if k in known})
+        except (KeyError, TypeError) as err:
+            raise DpivonError(
+                f"{storage.uri_of(storage.path)}/{STATE_FILE} lacks the sweep's state "
+                f"({type(err).__name__}: {err}); a damaged sweep file"
+            ) from None
 
     def save(self, storage: SweepStorage) -> None:
         storage.write_text(STATE_FILE, json.dumps(self.__dict__, indent=2))  # atomic
@@ -115,9 +129,10 @@ def _run_trials(
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
     ``concurrency`` at once."""
-    for group in groups:
-        if group.trials == 0:
-            console.print(f"[bold]{group.name}[/]: K = 0 trials drawn; the group runs none")
+    if not pipeline.hides_trial_count:  # else the trial counts are private
+        for group in groups:
+            if group.trials == 0:
+                console.print(f"[bold]{group.name}[/]: K = 0 trials drawn; the group runs none")
     groups = [g for g in groups if g.trials > 0]
     if not groups:
         return
@@ -140,10 +155,24 @@ def _run_trials(
         tuner = group_tuner(pipeline, groups, trainable, run_config, storage,
                             concurrency=concurrency, tracking_uri=tracking_uri,
                             experiment=state.experiment, parent_run_id=state.parent_run_id)
-    console.print(f"{len(groups)} groups, {sum(g.trials for g in groups)} trials, "
-                  f"{concurrency} at a time")
+    how_many = (f"trials drawn from {pipeline.trial_count} (mean {pipeline.trials})"
+                if pipeline.hides_trial_count else f"{sum(g.trials for g in groups)} trials")
+    console.print(f"{len(groups)} groups, {how_many}, {concurrency} at a time")
     with stop.tuning():
         tuner.fit()
+
+
+def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
+    """Whether MLflow records an outcome for every trial of every group (a trial's outcome
+    is its last write): a finished sweep, whose resume restores nothing of Tune's."""
+    runs = child_runs(tracker, parent_run_id)
+    ended = Counter(
+        run.data.tags.get(GROUP_TAG)
+        for run in runs
+        if run.info.status in ("FINISHED", "FAILED")
+        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
+    )
+    return sum(ended.values()) == len(runs) and all(ended[g.name] >= g.trials for g in groups)
 
 
 # --- interruptions --------------------------------------------------------------------------
@@ -286,6 +315,10 @@ def _init_ray(address: str | None) -> bool:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
+            # Ray starts its local cluster with token authentication (its default, kept) and
+            # warns about that default at every start: nothing there for the user to do.
+            # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
+            logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
             ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
@@ -318,6 +351,15 @@ def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
     )
 
 
+def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
+    """Connect to the Ray cluster, check that a trial fits on it, and return how many
+    trials run at once."""
+    joined = _init_ray(address)
+    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
+    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
+    return pipeline.concurrency or slots
+
+
 # --- the sweep ------------------------------------------------------------------------------
 
 
@@ -341,7 +383,7 @@ def _provenance() -> dict[str, str]:
 
 def _record_new_sweep(
     pipeline: Pipeline, storage: SweepStorage, tracker: Tracker, parent: str,
-    trial_epsilons: dict[str, float],
+    trial_epsilons: dict[str, float], counts: dict[tuple[str, float], int],
 ) -> SweepState:
     """The new parent run's settings and files, and the state file that names it."""
     tracker.log_params(
@@ -375,9 +417,20 @@ def _record_new_sweep(
         parent,
         list(pipeline.objective_pairs),
         trial_epsilons=trial_epsilons,
+        trial_counts={group_name(o, e): k for (o, e), k in counts.items()},
+        release_pick=pipeline.release_pick,
     )
     state.save(storage)
     return state
+
+
+def _trial_counts(
+    pipeline: Pipeline, previous: SweepState | None
+) -> dict[tuple[str, float], int]:
+    """Each group's trial count: drawn now for a new sweep, the drawn one for a resume."""
+    if previous is None or not previous.trial_counts:  # new, or from before counts were kept
+        return pipeline.trial_counts()
+    return {(o, e): previous.trial_counts[group_name(o, e)] for o, e in pipeline.groups}
 
 
 def run_sweep(
@@ -387,9 +440,11 @@ def run_sweep(
     tracking_uri: str | None = None,
     resume: bool = False,
 ) -> pd.DataFrame:
-    """Run (or resume) the whole sweep; returns the table of trials. Raises
+    """Run (or resume) the whole sweep; returns the table of trials. Resuming a finished
+    sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = sweep_storage(pipeline)
+    storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     exists = storage.exists(STATE_FILE)
     if exists and not resume:
@@ -400,21 +455,22 @@ def run_sweep(
     previous = SweepState.load(storage) if exists else None
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
-    # Everything that can reject the sweep runs before its parent run is opened.
-    joined = _init_ray(address)
-    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
-    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
-    concurrency = pipeline.concurrency or slots
-    counts = pipeline.trial_counts()
+    counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
+    finished = previous is not None and _every_trial_recorded(
+        tracker, previous.parent_run_id, groups
+    )
+    # Everything that can reject the sweep runs before its parent run is opened; a finished
+    # sweep needs no cluster.
+    concurrency = 0 if finished else _cluster_concurrency(pipeline, address)
     tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
             state = previous or _record_new_sweep(pipeline, storage, tracker, parent,
-                                                  trial_epsilons)
+                                                  trial_epsilons, counts)
             # Restored Tune callbacks hold the redacted URI; they read the real one from here.
             os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
             console.print(
@@ -423,8 +479,12 @@ def run_sweep(
                 f"{parent}; results in {storage.uri}"
             )
             try:
-                _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
-                            concurrency, stop)
+                if finished:
+                    console.print("every trial has run: none runs again; the report is "
+                                  "made again from the MLflow record")
+                else:
+                    _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
+                                concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
             except SweepInterrupted:

@@ -3,7 +3,7 @@
 Runs inside Ray workers and never touches MLflow (the driver is the only writer). Each
 epoch's report carries a checkpoint to resume from; the last one carries the trained model
 (mean + posterior) that the driver evaluates on the test set if the trial is on the front.
-A trial whose loss turns NaN or infinite ends with a last report flagged ``DIVERGED``
+A trial whose parameters turn NaN or infinite ends with a last report flagged ``DIVERGED``
 (objectives NaN) instead of an error: a retry from its checkpoint would diverge again.
 """
 
@@ -25,13 +25,14 @@ from dpivon.logs import quiet_known_output
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.tracking import save_checkpoint
-from dpivon.training import EpochReport, TrainingDiverged, train
+from dpivon.training import EpochReport, TrainingDiverged, released_metrics, train
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
 COMPLETE = "training_complete"
-DIVERGED = "diverged"  # 1 in the last report of a trial whose loss became NaN or infinite
+DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became non-finite
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
+GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
 
 
 def trial_seed(pipeline_seed: int, trial_id: str) -> int:
@@ -74,10 +75,6 @@ def run_trial(
     config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
     node = {"node_id": ray.get_runtime_context().get_node_id()}
 
-    def released(metrics: dict[str, Any]) -> dict[str, Any]:
-        # The training loss of a private run is computed on raw batches: not DP, not stored.
-        return {k: v for k, v in metrics.items() if not (config.is_private and k == "train_loss")}
-
     resume_state = None
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
@@ -93,7 +90,7 @@ def run_trial(
         with tempfile.TemporaryDirectory() as directory:
             torch.save(report.checkpoint(), Path(directory) / RESUME_FILE)
             tune.report(
-                {**released(report.metrics), COMPLETE: 0, **node},
+                {**released_metrics(config, report.metrics), COMPLETE: 0, **node},
                 checkpoint=tune.Checkpoint.from_directory(directory),
             )
 
@@ -122,7 +119,7 @@ def run_trial(
         )
         return
     final_metrics = {
-        **released(result.history[-1]),
+        **released_metrics(config, result.history[-1]),
         **_privacy_facts(result.summary()),
         COMPLETE: 1,
         "wall_time_s": result.wall_time_s,

@@ -36,6 +36,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
+from dpivon.paths import check_writable_folder
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
 from dpivon.study.layout import (
@@ -51,7 +52,7 @@ from dpivon.study.layout import (
 from dpivon.study.report import Report, build_report, log_report, write_report
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking import Tracker, log_training_result
-from dpivon.training import TrainResult, load_data, train
+from dpivon.training import TrainResult, load_data, released_metrics, train
 
 STATE_FILE = "benchmark.json"
 REPORT_DIR = "report"
@@ -191,13 +192,11 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
 
 
 def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
-    """Per-epoch history, final metrics, summary, reliability bins and diagram."""
-    private = result.config.is_private
+    """Per-epoch history, final metrics, summary, reliability bins and diagram, the model."""
     for metrics in result.history:
-        # a private run's training loss is computed on raw batches: not DP, not stored
-        released = {k: v for k, v in metrics.items() if not (private and k == "train_loss")}
+        released = released_metrics(result.config, metrics)
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
-    log_training_result(tracker, run_id, result, with_model=False)
+    log_training_result(tracker, run_id, result)  # with its model: dpivon predict takes it
     tracker.log_metrics(
         run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
     )
@@ -417,6 +416,7 @@ def run_benchmark(
     parent still ends FINISHED, with ``failed_runs`` saying how many, so that ``--resume``
     can complete it later.
     """
+    check_writable_folder(pipeline.directory, "storage_path")
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)

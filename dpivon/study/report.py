@@ -581,5 +581,5 @@ def log_report(tracker: Tracker, run_id: str, report: Report, files: Sequence[Pa
         for metric in ("test_accuracy", "test_nll", "test_ece", "test_ts_ece"):
             value = row[f"{metric}_mean"]
             metrics[f"{metric}.eps{epsilon_label(row['epsilon'])}.{row['method']}"] = value
-    tracker.log_metrics(run_id, metrics)
+    tracker.log_changed_metrics(run_id, metrics)  # a rebuilt report (--resume) adds none
     tracker.set_tags(run_id, {"mlflow.note.content": report.note()})

@@ -7,17 +7,18 @@ shown)::
     data: {dataset: cifar10, per_class: 400, val_size: 1000}   # as in a sweep pipeline
     model: small-cnn                 # default tanh-cnn
     epochs: 4                        # default 10
-    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped)
+    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped);
+                                     # a non-private method runs at inf only
     seeds: [0, 1, 2]                 # >= 3 distinct replicates (the report's spread)
     split_seed: 0                    # the train/validation split, shared by every run
     delta: 1.0e-5
     accountant: rdp
-    methods:                         # distinct names; a name labels tables and plots
+    methods:                         # distinct names (letters, digits, _ . + -) for tables, plots
       - {name: dp-sgd, optimizer: dp-sgd, train: {lr: 2.0, batch_size: 128}}
       - {name: dp-ivon-ema, optimizer: dp-ivon-gradsq,
          train: {curvature_estimator: ema-corrected, lr: 5.0}}
       - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee}
-    concurrency: 2                   # runs in flight at once, >= 1
+    concurrency: 2                   # runs in flight at once, 1-4096
     resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
     run_timeout_s: 21600             # a run still going after this is cancelled, failed
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
@@ -62,10 +63,18 @@ from dpivon.config import (
     parse_config,
     read_yaml_mapping,
 )
-from dpivon.constraints import Float, Int
+from dpivon.constraints import Bound, Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
-from dpivon.search.pipeline import RunFile, as_list, train_extras
+from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.search.pipeline import (
+    CONCURRENCY_WHY,
+    MAX_CONCURRENCY,
+    RunFile,
+    as_list,
+    group_budget,
+    train_extras,
+)
 from dpivon.search.trial import trial_seed
 
 if TYPE_CHECKING:
@@ -73,10 +82,10 @@ if TYPE_CHECKING:
 
 MIN_SEEDS = 3
 PICKS = ("knee", "max-accuracy", "min-ece")
-_METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
-TrainExtras = Annotated[dict[str, Any], BeforeValidator(lambda t: train_extras(t, "benchmark"))]
+TrainExtras = Annotated[dict[str, Any], BeforeValidator(train_extras)]
 
 
 class _Strict(BaseModel):
@@ -91,6 +100,16 @@ class Method(_Strict):
     from_sweep: str | None = None
     pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
     train: TrainExtras = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _identifier(cls, name: str) -> str:
+        if not _METHOD_NAME.fullmatch(name):
+            raise ValueError(
+                f"method name {name!r} must start with a letter or digit and hold only "
+                "letters, digits and _ . + - (it names files, runs and table rows)"
+            )
+        return name
 
 
 @dataclass(frozen=True)
@@ -124,10 +143,10 @@ class BenchmarkPipeline(RunFile):
 
     epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)]
     seeds: Annotated[list[Int], BeforeValidator(as_list)]
-    split_seed: Annotated[Int, Field(ge=0)] = 0
+    split_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
     methods: list[Method] = Field(min_length=1)
-    concurrency: Annotated[Int, Field(ge=1)] = 2
-    run_timeout_s: Annotated[Float, Field(gt=0)] = 6 * 3600.0
+    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] = 2
+    run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
     _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
@@ -178,6 +197,19 @@ class BenchmarkPipeline(RunFile):
     @property
     def epsilon_list(self) -> list[float]:
         return [float(e) for e in self.epsilons]
+
+    def method_epsilons(self, method: Method) -> list[float]:
+        """The epsilons ``method`` runs at: the listed ones, or inf alone for a non-private
+        optimizer (it spends no budget, so a finite label would claim one)."""
+        return list(dict.fromkeys(group_budget(method.optimizer, e) for e in self.epsilon_list))
+
+    @property
+    def owned_keys(self) -> frozenset[str]:
+        return frozenset(self.base_config(self.methods[0], math.inf, 0))
+
+    def train_blocks(self) -> dict[str, dict[str, Any]]:
+        methods = {f"methods.{i}.train": m.train for i, m in enumerate(self.methods)}
+        return {"train": self.train, **methods}
 
     @property
     def tuning_trials(self) -> dict[tuple[str, float], int]:
@@ -276,9 +308,9 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     for method in pipeline.methods:
         tuned: dict[float, tuple[dict[str, Any], str]] = {}
         if method.from_sweep is not None:
-            tuned, counts = _tuned_configs(method, pipeline.epsilon_list, where)
+            tuned, counts = _tuned_configs(method, pipeline.method_epsilons(method), where)
             budgets.update({(method.name, eps): n for eps, n in counts.items()})
-        for eps in pipeline.epsilon_list:
+        for eps in pipeline.method_epsilons(method):
             picked, tuned_by = tuned.get(eps, ({}, None))
             for replicate in pipeline.seeds:
                 keys = {
@@ -294,14 +326,20 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                         f"invalid {source}: batch_size {config.training.batch_size} exceeds the "
                         f"{pipeline.data.train_size} training images; lower it"
                     )
+                if config.is_private:
+                    try:
+                        check_plan_reachable(config)
+                    except DpivonError as err:
+                        raise DpivonError(f"invalid {source}: {err}") from None
                 runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
     _check_equal_budgets(budgets, where)
     methods, seeds = pipeline.method_names, pipeline.seeds
+    epsilons = list(dict.fromkeys([*pipeline.epsilon_list, math.inf]))
     pipeline._runs = sorted(
         runs,
         key=lambda r: (
             seeds.index(r.replicate),
-            pipeline.epsilon_list.index(r.epsilon),
+            epsilons.index(r.epsilon),
             methods.index(r.method),
         ),
     )

@@ -1,0 +1,91 @@
+"""Files the user names, checked before anything is read, opened or written.
+
+An input file must be a regular file of at most :data:`MAX_INPUT_BYTES` (a config is a few
+KB; a bigger one is a mistake, and parsing it would take minutes). An output path must be
+writable: not a directory, not under a regular file, in a folder we may write to; checked
+without leaving anything behind (a probe file in the nearest existing folder is removed at
+once), so a refusal leaves the disk as it was.
+"""
+
+from __future__ import annotations
+
+import stat
+import tempfile
+from pathlib import Path
+
+from dpivon.errors import DpivonError
+
+MAX_INPUT_BYTES = 1 << 20  # 1 MiB: the largest shipped file is 4 KB
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "no regular file"
+
+
+def _probe(folder: Path) -> None:
+    """Write in ``folder`` for real (root passes every permission check, /proc refuses
+    writes that access() allows); the probe file is gone when this returns."""
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
+def check_input_file(path: Path, what: str = "file") -> None:
+    """``path`` is a regular file small enough to parse; else one DpivonError line."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise DpivonError(f"{what} not found: {path}") from None
+    except OSError as err:
+        raise DpivonError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DpivonError(f"{what} {path} is {_kind(info.st_mode)}; give a YAML file")
+    if info.st_size > MAX_INPUT_BYTES:
+        raise DpivonError(
+            f"{what} {path} is {info.st_size:,} bytes, above the limit of "
+            f"{MAX_INPUT_BYTES:,} bytes (1 MiB) for an input file; is it the right file?"
+        )
+
+
+def check_writable(path: Path, what: str) -> None:
+    """A file can be written at ``path`` (creating missing folders); nothing is created.
+
+    ``what`` names the option in the message, e.g. ``--out``."""
+    path = Path(path).expanduser()
+    try:
+        if path.exists() and not path.is_file():
+            kind = _kind(path.stat().st_mode)
+            raise DpivonError(f"{what} {path} is {kind}; give a file path, e.g. {path}/out")
+        existing = path if path.exists() else path.parent
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise DpivonError(
+                f"{what} {path} is under {existing}, which is a file, not a folder; "
+                "give a path in a folder"
+            )
+        _probe(existing if existing.is_dir() else existing.parent)
+    except OSError as err:  # no permission, a read-only or special filesystem, a loop
+        raise DpivonError(f"{what} {path} cannot be written: {err.strerror or err}") from None
+
+
+def check_writable_folder(path: Path, what: str) -> None:
+    """A folder can be made (or written in) at ``path``; nothing is created."""
+    path = Path(path).expanduser()
+    try:
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            where = "is" if existing == path else f"is under {existing}, which is"
+            raise DpivonError(f"{what} {path} {where} a file, not a folder; give a folder")
+        _probe(existing)
+    except OSError as err:
+        raise DpivonError(f"{what} {path} cannot be used: {err.strerror or err}") from None

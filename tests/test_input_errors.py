@@ -1,0 +1,243 @@
+"""Every input checked before anything starts, and one error path that cannot itself fail.
+
+- An exception nobody anticipated, raised inside any command, ends as one line naming the
+  command and what it worked on, with a non-zero exit: never a traceback.
+- Each refusal of a bad input comes before any MLflow store, sweep folder or output file
+  exists, and within seconds (no calibration, data or Ray first).
+- Strict loading: duplicate keys, a field sampled twice, null without a meaning, an empty
+  condition, a per-optimizer override a space shadows, names, bounded counts, sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from sweep_helpers import REPO, write_pipeline
+from typer.testing import CliRunner
+
+from dpivon.cli import app
+from dpivon.config import load_configs
+from dpivon.errors import DpivonError
+from dpivon.paths import MAX_INPUT_BYTES
+from dpivon.search.pipeline import load_pipeline
+from dpivon.search.space import load_search_space
+from dpivon.study.spec import load_benchmark
+
+SPACES = REPO / "search_spaces" / "quickstart"
+SYNTHETIC_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-sgd", "--epochs=1"]
+
+
+def invoke(args: list[str], cwd: Path, store: Path):
+    """``dpivon ARGS`` in ``cwd`` with its MLflow store at ``store``."""
+    with contextlib.chdir(cwd):
+        return CliRunner().invoke(app, [str(a) for a in args],
+                                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})  # fmt: skip
+
+
+def one_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+# -- the one error path ---------------------------------------------------------------------
+
+# For each command: its arguments (tmp_path for {tmp}) and a function it calls, which the
+# test makes raise; the object the error line must name.
+COMMANDS = {
+    "train": (SYNTHETIC_TRAIN, "dpivon.training.load_data", "dp-sgd"),
+    "sweep": (["sweep", "{tmp}/p.yaml"], "dpivon.search.pipeline.load_pipeline", "p.yaml"),
+    "export": (["export", "some-sweep", "--out={tmp}/x.yaml"],
+               "dpivon.search.export.resolve_sweep", "some-sweep"),
+    "pareto": (["pareto", "some-sweep"], "dpivon.search.export.resolve_sweep", "some-sweep"),
+    "benchmark": (["benchmark", "{tmp}/b.yaml"], "dpivon.study.spec.load_benchmark", "b.yaml"),
+    "audit": (["audit", "--optimizer=dp-sgd"], "dpivon.audit.audit_config", "dp-sgd"),
+}  # fmt: skip
+EXCEPTIONS = (
+    OSError(28, "No space left on device"),
+    KeyError("trial_id"),
+    RuntimeError("CUDA error: an illegal memory access"),
+    ValueError("bad shape (3,)"),
+)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("exception", EXCEPTIONS, ids=lambda e: type(e).__name__)
+def test_an_unexpected_exception_in_any_command_is_one_line(
+    tmp_path, monkeypatch, command, exception
+):
+    args, target, subject = COMMANDS[command]
+    module, _, name = target.rpartition(".")
+
+    def fail(*args, **kwargs):
+        raise exception
+
+    monkeypatch.setattr(f"{module}.{name}", fail)
+    result = invoke([a.format(tmp=tmp_path) for a in args], tmp_path, tmp_path / "store.db")
+    line = one_line(result)
+    assert result.exit_code == (2 if isinstance(exception, ValueError) else 1), line
+    assert f"dpivon {command}" in line and subject in line, line
+    assert str(exception).strip("'") in line, line
+    if not isinstance(exception, ValueError):
+        assert type(exception).__name__ in line, line
+    assert not (tmp_path / "store.db").exists()
+
+
+def test_audit_marks_its_optimizer_required(tmp_path):
+    result = invoke(["audit", "--help"], tmp_path, tmp_path / "store.db")
+    (flag,) = [line for line in result.output.splitlines() if "--optimizer" in line]
+    assert "required" in flag, flag
+    result = invoke(["audit"], tmp_path, tmp_path / "store.db")
+    assert result.exit_code == 2 and "Missing option '--optimizer'" in one_line(result)
+
+
+# -- refusals before anything exists --------------------------------------------------------
+
+
+def _benchmark(tmp_path: Path, **changes) -> Path:
+    data = {
+        "name": "refused", "data": {"dataset": "synthetic", "synthetic_size": 300},
+        "model": "small-cnn", "epochs": 1, "epsilons": [8], "seeds": [0, 1, 2],
+        "methods": [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"batch_size": 64}}],
+        "tracking_uri": f"sqlite:///{tmp_path}/store.db", "storage_path": str(tmp_path / "runs"),
+        **changes,
+    }  # fmt: skip
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _sweep(tmp_path: Path, **changes) -> Path:
+    return write_pipeline(tmp_path, name="refused", tracking_uri=f"sqlite:///{tmp_path}/store.db",
+                          **changes)  # fmt: skip
+
+
+# (arguments, part of the message); {tmp}: the test's folder, {file}: a regular file in it
+REFUSALS = {
+    "train epsilon below the floor": ([*SYNTHETIC_TRAIN, "--epsilon=1e-12"], "smallest"),
+    "train epsilon 1e308": ([*SYNTHETIC_TRAIN, "--epsilon=1e308"], "above 1000"),
+    "train delta 0.01": ([*SYNTHETIC_TRAIN, "--delta=0.01"], "1/N"),
+    "train a device not here": ([*SYNTHETIC_TRAIN, "--device=cuda:99"], "cuda:99"),
+    "train --set null": ([*SYNTHETIC_TRAIN, "--set", "lr=null"], "no null value"),
+    "train --json a directory": ([*SYNTHETIC_TRAIN, "--json={tmp}"], "is a directory"),
+    "train --config a directory": (["train", "--config={tmp}"], "is a directory"),
+    "audit epsilon below the floor": (["audit", "--optimizer=dp-sgd", "--epsilon=1e-12"],
+                                      "smallest"),
+    "audit epsilon 1e308": (["audit", "--optimizer=dp-sgd", "--epsilon=1e308"], "above 1000"),
+    "audit more canaries than parameters": (["audit", "--optimizer=dp-sgd", "--canaries=10000000"],
+                                            "canaries must be in [1, "),
+    "export --out a directory": (["export", "any", "--out={tmp}"], "is a directory"),
+    "export --out under a file": (["export", "any", "--out={file}/x.yaml"], "which is a file"),
+    "pareto --out a directory": (["pareto", "any", "--out={tmp}"], "is a directory"),
+    "sweep storage under a file": (["sweep", "sweep:storage_path={file}"], "which is a file"),
+    "sweep epsilon below the floor": (["sweep", "sweep:epsilons=[1.0e-12]"], "smallest"),
+    "benchmark storage under a file": (["benchmark", "bench:storage_path={file}/x"],
+                                       "which is a file"),
+    "benchmark epsilon below the floor": (["benchmark", "bench:epsilons=[1.0e-12]"],
+                                          "smallest"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_refusal_comes_first_in_one_line_and_leaves_nothing_behind(tmp_path, case):
+    args, message = REFUSALS[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    regular = tmp_path / "a-file"
+    regular.write_text("not a folder\n")
+    filled = []
+    for arg in args:
+        arg = arg.format(tmp=work, file=regular)
+        if arg.startswith(("sweep:", "bench:")):  # a run file with one key changed
+            kind, _, change = arg.partition(":")
+            key, _, value = change.partition("=")
+            write = _sweep if kind == "sweep" else _benchmark
+            arg = str(write(tmp_path, **{key: yaml.safe_load(value)}))
+        filled.append(arg)
+    started = time.perf_counter()
+    result = invoke(filled, work, tmp_path / "store.db")
+    seconds = time.perf_counter() - started
+    line = one_line(result)
+    assert result.exit_code != 0 and message in line, line
+    assert seconds < 5, f"refused after {seconds:.1f} s"
+    # nothing was created: no MLflow store, no sweep or benchmark folder, no output file
+    assert not (tmp_path / "store.db").exists() and not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in work.iterdir()) == []
+    assert regular.read_text() == "not a folder\n"
+
+
+# -- strict loading -------------------------------------------------------------------------
+
+
+def _refused(load, path: Path, *parts: str) -> str:
+    with pytest.raises(DpivonError) as info:
+        load(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message, message
+    for part in parts:
+        assert part in message, message
+    assert "errors.pydantic.dev" not in message and "Input should" not in message, message
+    return message
+
+
+def test_a_duplicate_key_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: dp-sgd\nlr: 0.1\nepochs: 2\nlr: 0.2\n")
+    _refused(load_configs, path, "'lr' given twice", "line 4")
+    path.write_text("optimizer: dp-sgd\nprivacy: {epsilon: 1.0, epsilon: 2.0}\n")
+    _refused(load_configs, path, "'epsilon' given twice")
+    # a key that a merge (<<) brings in may be overridden: that is no duplicate
+    path.write_text("- &a {optimizer: dp-sgd, dataset: synthetic, lr: 0.1}\n- {<<: *a, lr: 0.2}\n")
+    assert [c.optimizer.lr for c in load_configs(path)] == [0.1, 0.2]
+
+
+def test_a_file_too_large_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"lr: 0.1\n" + b"# padding\n" * (MAX_INPUT_BYTES // 10 + 1))
+    started = time.perf_counter()
+    _refused(load_configs, path, f"{MAX_INPUT_BYTES:,} bytes")
+    assert time.perf_counter() - started < 1
+
+
+def test_a_space_samples_a_field_once_and_when_is_never_empty(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 1.0}\n"
+                    "  optimizer.lr: {type: float, low: 1.0, high: 2.0}\n")  # fmt: skip
+    _refused(load_search_space, path, "optimizer.lr and lr both set lr")
+    path.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 1.0, "
+                    "when: {}}\n")  # fmt: skip
+    _refused(load_search_space, path, "params.lr", "when is empty")
+
+
+def test_a_per_optimizer_override_that_the_space_shadows_is_refused(tmp_path):
+    dp_sgd = {"name": "dp-sgd", "space": str(SPACES / "dp-sgd.yaml"), "train": {"lr": 0.5}}
+    path = write_pipeline(tmp_path, optimizers=[dp_sgd])
+    _refused(load_pipeline, path, "lr set both under optimizers.0.train:", "keep one")
+
+
+def test_counts_have_upper_bounds_that_say_why(tmp_path):
+    _refused(load_pipeline, write_pipeline(tmp_path, trials=10**6), "trials must be in [1, 10000]",
+             "each trial a whole training run")  # fmt: skip
+    _refused(load_pipeline, write_pipeline(tmp_path, max_failures=10**4), "max_failures", "retries")
+    _refused(load_benchmark, _benchmark(tmp_path, concurrency=10**6), "concurrency", "in flight")
+
+
+@pytest.mark.parametrize("name", ["dp sgd", "dp/sgd", "-x", ""])
+def test_a_method_name_is_an_identifier(tmp_path, name):
+    methods = [{"name": name, "optimizer": "dp-sgd", "train": {"batch_size": 64}}]
+    _refused(load_benchmark, _benchmark(tmp_path, methods=methods), "method name")
+
+
+def test_a_truncated_sweep_state_names_its_file(tmp_path):
+    folder = tmp_path / "runs" / "cut"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text('{"name": "cut", "pipeline_path": "p.yaml", "tra')
+    result = invoke(["pareto", str(folder), f"--out={tmp_path}/p.png"], tmp_path,
+                    tmp_path / "store.db")  # fmt: skip
+    line = one_line(result)
+    assert result.exit_code == 2 and str(folder / "sweep.json") in line, line
+    assert "not valid JSON" in line, line
