@@ -587,12 +587,13 @@ def audit(
 ) -> None:
     """Empirical privacy audit in one run (Steinke, Nasr & Jagielski 2023): a lower bound on
     epsilon from gradient canaries, and a noise-off control that shows the audit's power.
-    Exit 1 when the lower bound exceeds the claimed epsilon (a privacy violation).
+    Exit 1 when the lower bound exceeds the claimed epsilon, or the gradients carry less
+    noise than accounted (a privacy violation).
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
+    from dpivon.audit import audit_config, check_canaries, run_audit
     from dpivon.config import PRIVATE_OPTIMIZERS
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.privacy.audit import audit_config, check_canaries, run_audit
     from dpivon.tracking import Tracker
     from dpivon.training import resolve_device
 
@@ -644,16 +645,15 @@ def audit(
             "have seen a violation; use more canaries or epochs",
             highlight=False,
         )
-    if bound > claimed:
-        console.print(
-            f"[bold red]privacy violation:[/] epsilon >= {bound:.3g} at {confidence:.0%} "
-            f"confidence, above the claimed {claimed:g}",
-            highlight=False,
-        )
+    violations = result.violations()
+    for violation in violations:
+        console.print(f"[bold red]privacy violation:[/] {violation}", highlight=False)
+    if violations:
         raise typer.Exit(1)
     console.print(
         f"epsilon lower bound {bound:.3g} <= claimed {claimed:g} (control "
-        f"{result.control.epsilon_lower_bound:.3g}) at {confidence:.0%} confidence",
+        f"{result.control.epsilon_lower_bound:.3g}) at {confidence:.0%} confidence; noise "
+        f"{result.noise_ratio:.0%} of the accounted",
         highlight=False,
     )
 

@@ -1,26 +1,26 @@
-"""The one-run privacy audit: the bound against independent computations, canaries that
-really are clipped, Poisson-sampled training examples of every private optimizer, audits
-whose real bound stays below the claim while the noise-off control exceeds it, the CLI."""
+"""The one-run privacy audit: the bound against independent computations; canaries that are
+training examples (drawn by the data's sampler, clipped by the engine) for every private
+optimizer and engine; correct runs that pass while their noise-off control has power; a
+missing clip, a sampler at the wrong rate and half the noise, each flagged; the CLI."""
 
 from __future__ import annotations
 
 import json
 import math
 from fractions import Fraction
-from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers import optimizer as opacus_optimizer
+from opacus.optimizers import optimizer_fast_gradient_clipping as opacus_fast_clipping
 from typer.testing import CliRunner
 
-from dpivon.cli import app
-from dpivon.config import PRIVATE_OPTIMIZERS, PrivacyConfig
-from dpivon.errors import DpivonError
-from dpivon.privacy.audit import (
-    CanaryInjector,
+from dpivon.audit import (
+    Canaries,
+    CanaryExamples,
     audit_config,
     audit_scores,
     correct_guesses,
@@ -29,10 +29,14 @@ from dpivon.privacy.audit import (
     p_value,
     run_audit,
 )
-from dpivon.training import build_training, load_data, train_step
+from dpivon.cli import app
+from dpivon.config import PRIVATE_OPTIMIZERS
+from dpivon.errors import DpivonError
+from dpivon.privacy import bookkeeping, sampling
+from dpivon.privacy.engine import PER_SAMPLE_ENGINES
+from dpivon.training import TrainingSetup, build_training, load_data, train_step
 
 CPU = torch.device("cpu")
-ENGINES = get_args(PrivacyConfig.model_fields["engine"].annotation)
 runner = CliRunner()
 
 
@@ -133,24 +137,22 @@ def test_audit_of_randomized_response_is_valid_and_has_power():
 # --- the canaries are training examples ----------------------------------------------------
 
 
-def bare_optimizer(clip: float, batch: int, size: int = 2000) -> tuple[DPOptimizer, list]:
-    """A DPOptimizer over two parameters and no model: batches are set by hand."""
-    params = [torch.nn.Parameter(torch.zeros(size // 2)) for _ in range(2)]
-    optimizer = DPOptimizer(
-        torch.optim.SGD(params, lr=0.0),
-        noise_multiplier=0.0,
-        max_grad_norm=clip,
-        expected_batch_size=batch,
+def small_private_run(**overrides) -> tuple[TrainingSetup, CanaryExamples]:
+    """A tiny private run (noise off) with 40 canaries attached, half of them of norm 10 C
+    and half of norm C / 2, all included."""
+    # epsilon 0.5 only because its noise calibrates in a fraction of a second here
+    config = audit_config(
+        synthetic_size=120, epochs=1, batch_size=20, epsilon=0.5, device="cpu", **overrides
     )
-    return optimizer, params
-
-
-def empty_batch_step(optimizer: DPOptimizer) -> None:
-    """One step without data: g_dp is the canaries' clipped sum / b (and the noise)."""
-    optimizer.zero_grad()
-    for p in optimizer.params:
-        p.grad_sample = torch.zeros(0, *p.shape)
-    optimizer.step()
+    setup = build_training(config, load_data(config), CPU)
+    setup.optimizer.noise_multiplier = 0.0
+    clip = setup.private.plan.max_grad_norm
+    parameters = sum(p.numel() for p in setup.optimizer.params)
+    drawn = Canaries.draw(parameters, 40, 10 * clip, seed=0)
+    norms = drawn.norms.clone()
+    norms[20:] = clip / 2
+    canaries = Canaries(drawn.coordinates, norms, torch.ones(40, dtype=torch.bool))
+    return setup, CanaryExamples(canaries, setup.private)
 
 
 def record_base_steps(optimizer: DPOptimizer) -> list[torch.Tensor]:
@@ -166,121 +168,151 @@ def record_base_steps(optimizer: DPOptimizer) -> list[torch.Tensor]:
     return seen
 
 
-def test_canaries_are_clipped_like_examples_before_the_noise():
-    clip, batch = 1.5, 10
-    optimizer, params = bare_optimizer(clip, batch)
-    coordinates = torch.tensor([3, 1500, 7, 1999])
-    norms = torch.tensor([3 * clip, clip / 2, clip, 3 * clip])
-    included = torch.tensor([True, True, True, False])
-    injector = CanaryInjector(
-        params, coordinates, norms, included, 1.0, torch.Generator().manual_seed(0)
+def canary_rows(ids: list[int], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of canary rows only, as the sampler yields them (blank inputs, label -1 - j)."""
+    return like.new_zeros((len(ids), *like.shape[1:])), torch.tensor([-1 - j for j in ids])
+
+
+def check_canaries_are_clipped_by_the_engine(**overrides) -> None:
+    """A batch of canaries alone reaches the optimizer as each canary clipped to C (norm
+    10 C) or kept (norm C / 2), over b; the transcript records it in clip norms."""
+    setup, examples = small_private_run(**overrides)
+    plan = setup.private.plan
+    seen = record_base_steps(setup.optimizer)
+    hook = setup.optimizer.step_hook
+    drawn = [0, 1, 2, 25, 26]
+    x, y = examples.take(*canary_rows(drawn, setup.loader.features))
+    assert len(x) == len(y) == 0
+    train_step(setup, x, y, 1)
+    clip, b = plan.max_grad_norm, plan.expected_batch_size
+    norms = examples.canaries.norms
+    expected = torch.zeros(40, dtype=torch.float64)
+    expected[drawn] = torch.tensor(
+        [n * min(1.0, clip / (n + 1e-6)) for n in norms[drawn].tolist()], dtype=torch.float64
     )
-    injector.attach(optimizer)
-    seen = record_base_steps(optimizer)
-    empty_batch_step(optimizer)
-    (g_dp,) = seen
-    expected = [
-        n * min(1.0, clip / (n + 1e-6)) / batch if inc else 0.0  # Opacus's clip factor
-        for n, inc in zip(norms.tolist(), included.tolist(), strict=True)
-    ]
-    assert g_dp[coordinates].tolist() == pytest.approx(expected, rel=1e-6)
-    assert g_dp[3] * batch == pytest.approx(clip, rel=1e-6)  # norm 3C contributes C
-    assert g_dp.abs().sum() == pytest.approx(sum(expected), rel=1e-6)  # nothing elsewhere
-    assert injector.scores.tolist() == pytest.approx(
-        [e * n for e, n in zip(expected, norms.tolist(), strict=True)], rel=1e-6
+    coordinates = examples.canaries.coordinates
+    assert seen[-1][coordinates].double().tolist() == pytest.approx(
+        (expected / b).tolist(), rel=1e-5, abs=1e-9
     )
-
-
-def test_canaries_are_poisson_sampled_at_the_sample_rate_every_step():
-    q, m, steps, clip, batch = 0.1, 1000, 300, 1.0, 20
-    optimizer, params = bare_optimizer(clip, batch)
-    accountant_calls = []
-    optimizer.attach_step_hook(lambda opt: accountant_calls.append(opt.noise_multiplier))
-    hook = optimizer.step_hook
-    injector = CanaryInjector.draw(params, m, clip, q, seed=3)
-    injector.attach(optimizer)
-    seen = record_base_steps(optimizer)
-    per_step = []
-    for _ in range(steps):
-        before = injector.times_sampled.clone()
-        empty_batch_step(optimizer)
-        sampled = injector.times_sampled - before
-        per_step.append(sampled)
-        # the optimizer received exactly the canaries sampled at this step, clipped, over b
-        expected = sampled.double() * clip * (clip / (clip + 1e-6)) / batch
-        assert torch.allclose(seen[-1][injector.coordinates].double(), expected, atol=1e-7)
-    assert optimizer.step_hook is hook and len(accountant_calls) == steps
-    draws = torch.stack(per_step)
-    included = injector.included
-    assert draws[:, ~included].sum() == 0  # excluded canaries never enter
-    assert draws.max() <= 1  # at most once a step
-    n = int(included.sum()) * steps
-    rate = draws[:, included].sum().item() / n
-    assert abs(rate - q) < 4 * math.sqrt(q * (1 - q) / n)  # q, not 1 and not q^2
-    # a fresh draw every step: consecutive draws of a canary are uncorrelated
-    centred = draws[:, included].double() - q
-    assert abs((centred[1:] * centred[:-1]).mean() / (q * (1 - q))) < 4 / math.sqrt(n)
-
-
-def check_canaries_reach_the_optimizer(**overrides) -> None:
-    """Canaries are in what the base optimizer's step() receives, scores are read from it,
-    and the accountant counts every step."""
-    # epsilon 0.5 only because its noise calibrates in a fraction of a second here
-    config = audit_config(
-        synthetic_size=120, epochs=1, batch_size=20, epsilon=0.5, device="cpu", **overrides
+    assert seen[-1].abs().sum() == pytest.approx(float(expected.sum()) / b, rel=1e-5)
+    assert examples.transcript[-1].tolist() == pytest.approx(
+        (expected / clip).tolist(), rel=1e-5, abs=1e-7
     )
-    setup = build_training(config, load_data(config), CPU)
-    dp, plan = setup.optimizer, setup.private.plan
-    assert isinstance(dp, DPOptimizer)
-    hook = dp.step_hook
-    injector = CanaryInjector.draw(list(dp.params), 40, plan.max_grad_norm, 1.0, seed=0)
-    injector.attach(dp)
-    seen = record_base_steps(dp)
+    # with data: the data's examples are clipped as before, the canaries on top
     x, y = next(iter(setup.loader))
-    # noise off and an empty batch: the optimizer receives the included canaries alone
-    dp.noise_multiplier = 0.0
-    train_step(setup, x[:0], y[:0], config.optimizer.samples_per_step)
-    clip = plan.max_grad_norm
-    one = clip * (clip / (clip + 1e-6)) / plan.expected_batch_size
-    n_in = int(injector.included.sum())
-    assert seen[-1].abs().sum() == pytest.approx(one * n_in, rel=1e-5)
-    assert seen[-1][injector.coordinates][injector.included].tolist() == pytest.approx(
-        [one] * n_in, rel=1e-5
-    )
-    # data and noise: the scores grow by <g_dp, c_j> of what the optimizer received
-    dp.noise_multiplier = plan.noise_multiplier
-    before = injector.scores.clone()
-    train_step(setup, x, y, config.optimizer.samples_per_step)
-    assert torch.allclose(
-        injector.scores - before, seen[-1][injector.coordinates].double() * clip, rtol=1e-6
-    )
-    assert dp.step_hook is hook and setup.private.steps_taken == 2 == injector.steps
+    x, y = examples.take(x, y)
+    assert (y >= 0).all()
+    train_step(setup, x, y, 1)
+    assert setup.optimizer.step_hook is hook and setup.private.steps_taken == 2
+    assert examples.steps == 2
 
 
 @pytest.mark.parametrize("optimizer", PRIVATE_OPTIMIZERS)
-def test_every_private_optimizer_receives_and_is_scored_on_the_canaries(optimizer):
-    check_canaries_reach_the_optimizer(optimizer=optimizer)
+def test_every_private_optimizer_has_its_canaries_clipped_by_the_engine(optimizer):
+    check_canaries_are_clipped_by_the_engine(optimizer=optimizer)
 
 
-@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "auto"])
-def test_every_per_example_gradient_engine_takes_the_canaries(engine):
-    check_canaries_reach_the_optimizer(optimizer="dp-sgd", engine=engine)
+@pytest.mark.parametrize("engine", ["bk", *PER_SAMPLE_ENGINES])
+def test_every_per_example_engine_clips_the_canaries(engine):
+    check_canaries_are_clipped_by_the_engine(optimizer="dp-sgd", engine=engine)
 
 
-# --- the audit -----------------------------------------------------------------------------
+def test_an_engine_the_canaries_cannot_enter_is_refused():
+    with pytest.raises(DpivonError, match="engine ghost"):
+        small_private_run(optimizer="dp-sgd", engine="ghost")
+
+
+def test_canaries_are_drawn_by_the_data_sampler_at_its_rate():
+    setup, examples = small_private_run(optimizer="dp-sgd")
+    loader, q = setup.loader, setup.private.plan.sample_rate
+    assert len(loader.labels) == setup.private.plan.dataset_size + 40
+    epochs = 60
+    for _ in range(epochs):
+        for x, y in loader:
+            examples.take(x, y)
+    n = 40 * epochs * len(loader)
+    rate = examples.times_sampled.sum().item() / n
+    assert abs(rate - q) < 4 * math.sqrt(q * (1 - q) / n)  # q, not 1 and not q^2
+
+
+# --- the audit: correct runs pass, broken privacy paths are flagged -------------------------
+
+
+def unclipped_bookkeeping(monkeypatch) -> None:
+    monkeypatch.setattr(bookkeeping, "clip_factors", lambda squared, clip: torch.ones_like(squared))
+
+
+def sampler_takes_everything(monkeypatch) -> None:
+    """Every example in every batch (q = 1) while the accountant is told b / N."""
+    monkeypatch.setattr(
+        sampling.PoissonBatches,
+        "sample_mask",
+        lambda self: torch.ones_like(self.labels, dtype=torch.bool),
+    )
+
+
+def half_the_noise(monkeypatch) -> None:
+    """Opacus draws noise of half the std it is asked for (both optimizer families)."""
+    generate = opacus_optimizer._generate_noise
+
+    def half(std, reference, generator=None, secure_mode=False):
+        return generate(std / 2, reference, generator, secure_mode)
+
+    monkeypatch.setattr(opacus_optimizer, "_generate_noise", half)
+    monkeypatch.setattr(opacus_fast_clipping, "_generate_noise", half)
+
+
+MUTATIONS = {
+    "no-clip": unclipped_bookkeeping,
+    "q=1": sampler_takes_everything,
+    "half-noise": half_the_noise,
+}
+# Two epochs of the audit's defaults (450 examples, b 50, 18 steps), 1,000 canaries: the
+# correct runs certify about 0.3 against the claim of 2, the controls about 3.5.
+MUTATION_AUDIT = dict(epochs=2, epsilon=2.0, delta=1e-5, device="cpu")
 
 
 @pytest.mark.parametrize("optimizer", ["dp-sgd", "dp-ivon-gradsq"])
-def test_audit_bound_stays_below_the_claim_and_the_control_exceeds_it(optimizer):
-    config = audit_config(optimizer=optimizer, epsilon=2.0, delta=1e-5, device="cpu")
-    result = run_audit(config, 1000)
+def test_audit_passes_the_correct_run_and_its_control_has_power(optimizer):
+    result = run_audit(audit_config(optimizer=optimizer, **MUTATION_AUDIT), 1000)
     assert result.claimed_epsilon == 2.0 and result.canaries == 1000
     assert result.real.epsilon_lower_bound < 2.0 < result.control.epsilon_lower_bound
+    assert result.violations() == []
     assert result.control.noise_multiplier == 0.0 < result.noise_multiplier
-    assert result.real.steps == result.steps == result.control.steps
+    assert result.real.steps == result.steps == result.control.steps == 18
+    assert 0.95 < result.noise_ratio < 1.1
     # each included canary took part in about q * steps steps
     expected = result.sample_rate * result.steps
     assert result.real.mean_times_sampled == pytest.approx(expected, rel=0.1)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+@pytest.mark.parametrize("optimizer", ["dp-sgd", "dp-ivon-gradsq"])
+def test_audit_flags_a_broken_privacy_path(optimizer, mutation, monkeypatch):
+    MUTATIONS[mutation](monkeypatch)
+    result = run_audit(audit_config(optimizer=optimizer, **MUTATION_AUDIT), 1000)
+    violations = result.violations()
+    print(mutation, optimizer, result.summary())
+    if mutation == "half-noise":
+        assert 0.45 < result.noise_ratio < 0.55
+        assert any("noise multiplier" in v for v in violations), violations
+    else:
+        assert result.real.epsilon_lower_bound > 2.0
+        assert any("above the claimed 2" in v for v in violations), violations
+    if mutation == "q=1":
+        assert result.real.mean_times_sampled == result.steps
+
+
+def test_audit_flags_a_missing_clip_in_opacus_hooks(monkeypatch):
+    def sum_unclipped(self: DPOptimizer) -> None:
+        for p in self.params:
+            p.summed_grad = p.grad_sample.sum(0)
+
+    monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", sum_unclipped)
+    config = audit_config(optimizer="dp-sgd", engine="hooks", **MUTATION_AUDIT)
+    result = run_audit(config, 1000)
+    assert result.real.epsilon_lower_bound > 2.0
+    assert any("above the claimed 2" in v for v in result.violations())
 
 
 def test_audit_refuses_what_it_cannot_audit():
@@ -344,6 +376,18 @@ def test_cli_writes_the_audit_json_and_logs_it_to_mlflow(tmp_path):
     assert run.data.metrics["epsilon_lower_bound"] == summary["epsilon_lower_bound"]
     artifacts = [a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)]
     assert "audit.json" in artifacts
+
+
+def test_cli_exits_1_on_a_violation_and_still_writes_the_audit(tmp_path, monkeypatch):
+    unclipped_bookkeeping(monkeypatch)
+    out, uri = tmp_path / "audit.json", f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["audit", "--optimizer", "dp-sgd", "--epsilon", "2", "--epochs", "2"]
+    args += ["--canaries", "1000", "--device", "cpu", "--json", str(out), "--tracking-uri", uri]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "privacy violation: epsilon >=" in result.output
+    summary = json.loads(out.read_text())
+    assert summary["epsilon_lower_bound"] > summary["claimed_epsilon"] == 2.0
 
 
 @pytest.mark.parametrize(

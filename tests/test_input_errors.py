@@ -55,7 +55,7 @@ COMMANDS = {
                "dpivon.search.export.resolve_sweep", "some-sweep"),
     "pareto": (["pareto", "some-sweep"], "dpivon.search.export.resolve_sweep", "some-sweep"),
     "benchmark": (["benchmark", "{tmp}/b.yaml"], "dpivon.study.spec.load_benchmark", "b.yaml"),
-    "audit": (["audit", "--optimizer=dp-sgd"], "dpivon.privacy.audit.audit_config", "dp-sgd"),
+    "audit": (["audit", "--optimizer=dp-sgd"], "dpivon.audit.audit_config", "dp-sgd"),
 }  # fmt: skip
 EXCEPTIONS = (
     OSError(28, "No space left on device"),
