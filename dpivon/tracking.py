@@ -33,6 +33,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior, predict_bma, predict_probs
 from dpivon.metrics import plot_reliability_diagram
 from dpivon.models import build_model
+from dpivon.privacy.noise import NOISE_TAG, noise_statement
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
@@ -257,8 +258,15 @@ def log_model(
     model: torch.nn.Module,
     posterior: Posterior | None,
 ) -> None:
-    """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model"."""
+    """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model",
+    its run tag and metadata saying whether its noise was secure or reproducible."""
     status = tracker.run_status(run_id)
+    noise = (
+        noise_statement(config.privacy.research_mode)
+        if config.is_private
+        else "none: a non-private optimizer"
+    )
+    tracker.set_tags(run_id, {NOISE_TAG: noise})
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
         save_checkpoint(checkpoint, config, model, posterior)
@@ -270,6 +278,7 @@ def log_model(
                 signature=_model_signature(config),
                 input_example=np.zeros((1, 3, 32, 32), dtype=np.float32),
                 pip_requirements=["dpivon", "torch", "mlflow"],
+                metadata={NOISE_TAG: noise},
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.
     tracker.client.update_run(run_id, status=status)

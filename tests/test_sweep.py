@@ -9,7 +9,6 @@ import mlflow
 import pandas as pd
 import pytest
 import ray
-import torch
 from fault_injection import injected_faults, trial_faults_runtime_env
 from optuna.trial import TrialState
 from ray.tune.experiment import Trial
@@ -137,33 +136,26 @@ def test_pareto_command_prints_the_front(finished_sweep, tmp_path):
     assert out.stat().st_size > 10_000 and out.with_suffix(".html").exists()
 
 
-def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
+def test_export_then_train_runs_the_trial_config(finished_sweep, tmp_path):
     sweep_tmp, pipeline, _ = finished_sweep
     exported = tmp_path / "best.yaml"
+    sweep_dir = str(sweep_folder(pipeline))
     result = runner.invoke(
         app,
-        [
-            "export",
-            str(sweep_folder(pipeline)),
-            "--pick",
-            "knee",
-            "--optimizer",
-            "dp-sgd",
-            "--out",
-            str(exported),
-            "--no-secure-mode",  # research mode: reproducible by seed, as the trial was
-        ],
+        ["export", sweep_dir, "--pick", "knee", "--optimizer", "dp-sgd", "--out", str(exported)],
     )
     assert result.exit_code == 0, result.output
     (config,) = load_configs(exported)
     # The selection's cost travels with the config; by default exports are secure.
     tuning = config.privacy.tuning
     assert tuning.group == "eps8-dp-sgd" and tuning.quoted_epsilon > 8.0
-    assert config.privacy.secure_mode is False
-    secure = tmp_path / "secure.yaml"
-    sweep_dir = str(sweep_folder(pipeline))
-    runner.invoke(app, ["export", sweep_dir, "--optimizer", "dp-sgd", "--out", str(secure)])
-    assert load_configs(secure)[0].privacy.secure_mode is True
+    assert config.privacy.research_mode is False
+    research = tmp_path / "research.yaml"
+    runner.invoke(
+        app,
+        ["export", sweep_dir, "--optimizer", "dp-sgd", "--out", str(research), "--research-mode"],
+    )
+    assert load_configs(research)[0].privacy.research_mode is True
     front = pd.read_csv(sweep_folder(pipeline) / "pareto_front.csv")
     trial_id = next(t for t in front.trial_id if t in exported.read_text())
     _, _, children = runs_of(sweep_tmp, pipeline.experiment)
@@ -172,22 +164,17 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
         k: v for k, v in trial.data.params.items() if k != "tuning"
     }
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the trial: bitwise the same arithmetic
-    try:
-        result = runner.invoke(
-            app,
-            [
-                "train",
-                "--config",
-                str(exported),
-                "--tracking-uri",
-                f"sqlite:///{tmp_path}/prod.db",
-                "--no-log-model",
-            ],
-        )
-    finally:
-        torch.set_num_threads(threads)
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--config",
+            str(exported),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path}/prod.db",
+            "--no-log-model",
+        ],
+    )
     assert result.exit_code == 0, result.output
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/prod.db")
     (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
@@ -201,8 +188,7 @@ def test_export_then_train_reproduces_the_trial(finished_sweep, tmp_path):
     assert "epsilon_with_tuning covers the released model" in result.output
     # Same data size, batch size and epochs: the noise recalibrates to the trial's sigma.
     assert float(run.data.params["noise_multiplier"]) == trial.data.metrics["noise_multiplier"]
-    # Same configuration and seed as the trial: the same model, so the same validation score.
-    assert run.data.metrics["val_accuracy"] == pytest.approx(trial.data.metrics["val_accuracy"])
+    # The trial's noise was secure: no re-run reproduces it (tests/test_secure_noise.py).
 
 
 def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray):

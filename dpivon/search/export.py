@@ -10,9 +10,9 @@ full training set. It holds epsilon and delta, not sigma_p: `dpivon train` recal
 noise for the production epochs, data size and batch size, so the production training
 spends at most its epsilon. That is not the cost of the released model: its hyper-parameters
 were chosen by the sweep on the same records, so the config carries the sweep's tuning cost
-(`tuning`) and `dpivon train` reports the composition of both. Exported configs run in
-secure mode (noise from OS entropy, never stored): a released model's noise must not be
-reproducible from a logged seed.
+(`tuning`) and `dpivon train` reports the composition of both. Exported configs run with
+secure noise (dpivon.privacy.noise) unless ``research_mode`` is asked for: a released
+model's noise must not be reproducible from a logged seed.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def production_config(
     epochs: int | None,
     full_data: bool,
     tuning: TuningCost | None = None,
-    secure_mode: bool = True,
+    research_mode: bool = False,
 ) -> TrainConfig:
-    update: dict[str, Any] = {"tuning": tuning, "secure_mode": secure_mode}
+    update: dict[str, Any] = {"tuning": tuning, "research_mode": research_mode}
     if epochs is not None:
         update["epochs"] = epochs
     if full_data and config.data.dataset == "cifar10":
@@ -122,7 +122,7 @@ def export_configs(
     epsilon: float | None = None,
     epochs: int | None = None,
     full_data: bool = True,
-    secure_mode: bool = True,
+    research_mode: bool = False,
 ) -> list[tuple[dict[str, Any], TrainConfig]]:
     """Picked trials per (optimizer, epsilon) group, with their production configs."""
     _, front = load_results(storage)
@@ -141,7 +141,7 @@ def export_configs(
                 epochs=epochs,
                 full_data=full_data,
                 tuning=tuning_cost(storage, row["group"]),
-                secure_mode=secure_mode,
+                research_mode=research_mode,
             )
             picked.append((row.to_dict(), config))
     return picked

@@ -33,6 +33,7 @@ shown or described)::
       - {metric: val_ece, mode: min}
     sampler: tpe                     # tpe | nsga2 | random
     seed: 0                          # data split, training and Optuna seed; >= 0
+    research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
@@ -85,7 +86,7 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Count, Float, Int, Probability
+from dpivon.constraints import Bool, Count, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
@@ -106,7 +107,8 @@ METRIC_MODES: dict[str, str] = {
     "val_brier": "min",
 }
 # Config sections whose fields the pipeline's own keys set (data:, model:, epochs:,
-# epsilons:, delta:, accountant:, validation_noise:, seed:); `train:` may not repeat them
+# epsilons:, delta:, accountant:, validation_noise:, seed:, research_mode:); `train:` may
+# not repeat them
 _PIPELINE_SECTIONS = ("data", "model")
 _PIPELINE_KEYS = (
     "optimizer",
@@ -116,6 +118,7 @@ _PIPELINE_KEYS = (
     "accountant",
     "seed",
     "val_noise_multiplier",
+    "research_mode",
 )
 _NAME = re.compile(r"[a-z0-9_-]+")
 
@@ -228,6 +231,9 @@ class RunFile(_Strict):
     tracking_uri: str | None = None
     experiment: str = ""
     storage_path: str = Field("dpivon-runs", min_length=1)
+    # true: every run's noise and sampling follow its seed (reproducible, no DP guarantee for
+    # anything released); false: secure noise (dpivon.privacy.noise)
+    research_mode: Bool = False
     train: dict[str, Any] = Field(default_factory=dict)  # more TrainConfig keys for every run
 
     _path: Path | None = PrivateAttr(None)
@@ -264,7 +270,7 @@ class RunFile(_Strict):
 
     def shared_train_config(self, seed: int) -> dict[str, Any]:
         """The TrainConfig keys (flat) every run of this file starts from: its data (the
-        split from ``data.data_seed``, else ``seed``), model, epochs and accounting."""
+        split from ``data.data_seed``, else ``seed``), model, epochs, accounting and noise mode."""
         data = self.data.model_dump()
         data["data_seed"] = seed if self.data.data_seed is None else self.data.data_seed
         return {
@@ -273,6 +279,7 @@ class RunFile(_Strict):
             "epochs": self.epochs,
             "delta": self.delta,
             "accountant": self.accountant,
+            "research_mode": self.research_mode,
         }
 
     @field_validator("name")
@@ -466,8 +473,8 @@ class Pipeline(RunFile):
             "optimizer": optimizer,
             "epsilon": float(epsilon if trial_epsilon is None else trial_epsilon),
             "val_noise_multiplier": self.validation_noise,
-            # Each trial's training seed (and so its noise) is derived from the pipeline
-            # seed and the trial id: see dpivon.search.trial.
+            # Each trial's training seed (and in research mode its noise) is derived from
+            # the pipeline seed and the trial id: see dpivon.search.trial.
             "seed": self.seed,
         }
         config.update(self.train)

@@ -25,6 +25,7 @@ from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.privacy.tuning import (
     SweepConditions,
     TrialMechanism,
@@ -152,6 +153,9 @@ def tuning_privacy(
         report["trial_epsilon"] = trial_eps
         if pipeline.total_epsilon is not None:
             report["total_epsilon"] = pipeline.total_epsilon
+        if pipeline.research_mode:
+            report["dp_guarantee"] = f"none: {RESEARCH_MODE_WARNING}"
+            report["quote"] = f"NO DP GUARANTEE ({RESEARCH_MODE_WARNING}). {report['quote']}"
         reports[group] = report
     return reports
 
@@ -195,10 +199,14 @@ def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -
 
 
 def parent_description(
-    front: pd.DataFrame, objectives: list[tuple[str, str]], privacy: dict[str, dict[str, Any]]
+    front: pd.DataFrame,
+    objectives: list[tuple[str, str]],
+    privacy: dict[str, dict[str, Any]],
+    research_mode: bool = False,
 ) -> str:
     """The parent run's Markdown description: the fronts and the epsilons to quote, within
-    MLflow's tag length (front rows that do not fit are left to the front's CSV)."""
+    MLflow's tag length (front rows that do not fit are left to the front's CSV). In
+    research mode it opens by saying that no DP guarantee holds."""
     columns = [
         "optimizer",
         "epsilon",
@@ -206,7 +214,9 @@ def parent_description(
         *(metric for metric, _ in objectives),
         *(c for c in TEST_COLUMNS if c in front),
     ]
+    warning = [f"**No DP guarantee**: {RESEARCH_MODE_WARNING}.", ""] if research_mode else []
     header = [
+        *warning,
         "### Pareto fronts (validation; test scores of the members)",
         "",
         "| " + " | ".join(columns) + " |",
@@ -276,7 +286,7 @@ def report_sweep(
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
     tracker.log_metrics(parent_run_id, metrics)
-    description = parent_description(front, objectives, privacy)
+    description = parent_description(front, objectives, privacy, pipeline.research_mode)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:

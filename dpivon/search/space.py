@@ -68,7 +68,7 @@ from dpivon.optim.registry import OPTIMIZER_NAMES
 # TrainConfig fields a pipeline sets for every trial; search spaces may not sample or fix them.
 PIPELINE_OWNED_FIELDS: tuple[str, ...] = (
     *("optimizer", "epsilon", "delta", "accountant", "dataset", "data_path", "model"),
-    *("epochs", "seed", "data_seed", "secure_mode", "device", "val_size", "per_class"),
+    *("epochs", "seed", "data_seed", "research_mode", "device", "val_size", "per_class"),
     "synthetic_size",
 )
 
