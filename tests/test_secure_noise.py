@@ -9,16 +9,23 @@ mode is gone. Research mode stays reproducible from its seed, and says so.
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
+import mlflow
 import numpy as np
 import pytest
 import torch
 from scipy import stats
+from typer.testing import CliRunner
 
+from dpivon.cli import app
 from dpivon.config import parse_config
 from dpivon.privacy.noise import (
     DEFENCE_DRAWS,
     KEY_BYTES,
+    NOISE_TAG,
+    RESEARCH_MODE_WARNING,
     SecureRandomness,
     SeededRandomness,
     gaussian_noise,
@@ -26,6 +33,7 @@ from dpivon.privacy.noise import (
 from dpivon.training import build_training, load_data, train_step
 
 CPU = torch.device("cpu")
+runner = CliRunner()
 MILLION = 10**6
 SMALL = {
     "dataset": "synthetic",
@@ -132,3 +140,49 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_no_key_or_noise_seed_in_anything_train_logs_and_research_mode_says_so(
+    tmp_path, monkeypatch
+):
+    """`dpivon train` (secure by default) logs its model: the key from the OS appears in no
+    param, tag, metric, artifact, model file or output; research mode labels its model."""
+    key = bytes(range(101, 101 + KEY_BYTES))  # what the patched OS entropy source returns
+    import dpivon.privacy.noise as noise
+
+    monkeypatch.setattr(noise, "os_key", lambda: key)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    flags = ["train", "--dataset", "synthetic", "--set", "synthetic_size=330", "--set",
+             "val_size=30", "--model", "small-cnn", "--optimizer", "dp-sgd", "--epochs", "1",
+             "--batch-size", "30", "--bma-samples", "0", "--tracking-uri", uri]  # fmt: skip
+    secure = runner.invoke(app, [*flags, "--json", str(tmp_path / "out.json")])
+    assert secure.exit_code == 0, secure.output
+    research = runner.invoke(app, [*flags, "--research-mode"])
+    assert research.exit_code == 0, research.output
+    assert "no DP guarantee" in " ".join(research.output.split())
+
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
+    by_mode = {run.data.params["research_mode"]: run for run in runs}
+    run = by_mode["False"]
+    assert run.data.tags[NOISE_TAG].startswith("secure")
+    assert by_mode["True"].data.tags[NOISE_TAG] == RESEARCH_MODE_WARNING
+    files = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path / "model"),
+            tracking_uri=uri,
+        )
+    ).rglob("*")  # fmt: skip
+    blobs = [p.read_bytes() for p in files if p.is_file()]
+    assert any(b"checkpoint" in blob or len(blob) > 10_000 for blob in blobs)  # the model
+    texts = [
+        json.dumps([run.data.params, run.data.tags, run.data.metrics]),
+        (tmp_path / "out.json").read_text(),
+        secure.output,
+    ]
+    for form in (key.hex(), str(list(key)), str(int.from_bytes(key, "big"))):
+        assert not any(form in text for text in texts)
+        assert not any(form.encode() in blob for blob in blobs)
+    assert not any(key in blob for blob in blobs)
+    research_model = mlflow.pyfunc.load_model(f"runs:/{by_mode['True'].info.run_id}/model")
+    assert research_model.metadata.metadata[NOISE_TAG] == RESEARCH_MODE_WARNING

@@ -65,13 +65,24 @@ def uniforms_from_words(words: np.ndarray) -> np.ndarray:
     return (words >> np.uint64(11)).astype(np.float64) * _UNIT
 
 
-def box_muller(uniforms: np.ndarray) -> np.ndarray:
+def box_muller(uniforms: np.ndarray) -> Tensor:
     """Independent standard Gaussians from an even number of uniforms in [0, 1): radius
-    sqrt(-2 log(1 - u1)) (1 - u1 in (0, 1]) at angle 2 pi u2, both coordinates kept."""
+    sqrt(-2 log(1 - u1)) at angle 2 pi u2, both coordinates kept. 1 - u1 is exact for a
+    multiple of 2^-53 and in (0, 1]; numpy's log and torch's sin and cos are the fastest
+    of the two libraries here (measured)."""
     first, second = np.split(uniforms, 2)
-    radius = np.sqrt(-2.0 * np.log1p(-first))
-    angle = (2.0 * np.pi) * second
-    return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])
+    radius = torch.from_numpy(np.sqrt(-2.0 * np.log(1.0 - first)))
+    angle = torch.from_numpy(second).mul_(2.0 * np.pi)
+    gaussians = torch.empty(len(uniforms), dtype=torch.float64)
+    cosines, sines = gaussians.split(len(first))
+    torch.cos(angle, out=cosines).mul_(radius)
+    torch.sin(angle, out=sines).mul_(radius)
+    return gaussians
+
+
+def os_key() -> bytes:
+    """A fresh 256-bit key from the operating system's entropy source."""
+    return os.urandom(KEY_BYTES)
 
 
 class SecureRandomness:
@@ -82,7 +93,7 @@ class SecureRandomness:
     secure = True
 
     def __init__(self, key: bytes | None = None, draws: int = 0) -> None:
-        self._key = os.urandom(KEY_BYTES) if key is None else bytes(key)
+        self._key = os_key() if key is None else bytes(key)
         if len(self._key) != KEY_BYTES:
             raise ValueError(f"a ChaCha20 key is {KEY_BYTES} bytes, got {len(self._key)}")
         self._draws = draws
@@ -100,8 +111,7 @@ class SecureRandomness:
 
     def normal(self, count: int, device: torch.device) -> Tensor:
         pairs = (count + 1) // 2
-        gaussians = box_muller(uniforms_from_words(self.words(2 * pairs)))
-        return torch.from_numpy(gaussians[:count]).to(device)
+        return box_muller(uniforms_from_words(self.words(2 * pairs)))[:count].to(device)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {
