@@ -13,7 +13,8 @@ Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / 
 epsilons), the Tune experiment ``trials/`` (trial checkpoints, searcher state), the final
 tables and plots. SIGINT or SIGTERM stop the sweep cleanly (trials keep their
 checkpoints, the parent run ends KILLED, exit 128 + signal); ``--resume`` finishes what was
-interrupted.
+interrupted. Once every trial has ended, their resume states (in secure mode the noise
+keys, as sensitive as the data) are deleted; the final checkpoints hold only models.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from dpivon.search.report import (
 )
 from dpivon.search.results import child_runs, group_name
 from dpivon.search.storage import SweepStorage
+from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking import Tracker
 from dpivon.training import load_data
 
@@ -427,6 +429,9 @@ def run_sweep(
                             concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
+                # Every trial has ended and none resumes: their resume states (in secure
+                # mode the noise keys) must not outlive them in the sweep's folder.
+                storage.remove_files_named(TUNE_EXPERIMENT, RESUME_FILE)
             except SweepInterrupted:
                 _kill_open_trials(tracker, parent)
                 raise
