@@ -181,7 +181,7 @@ class PrivacyConfig(Section):
     def _drop_secure_mode(cls, data: Any) -> Any:
         # Files written before secure noise became the default hold `secure_mode`: noise is
         # secure unless research_mode is set, so either value now means the default.
-        if isinstance(data, Mapping) and "secure_mode" in data:
+        if isinstance(data, Mapping) and isinstance(data.get("secure_mode"), bool):
             data = {k: v for k, v in data.items() if k != "secure_mode"}
         return data
 
