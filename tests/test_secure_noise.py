@@ -25,7 +25,6 @@ from dpivon.privacy.noise import (
     DEFENCE_DRAWS,
     KEY_BYTES,
     NOISE_TAG,
-    RESEARCH_MODE_WARNING,
     SecureRandomness,
     SeededRandomness,
     gaussian_noise,
@@ -142,11 +141,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_no_key_or_noise_seed_in_anything_train_logs_and_research_mode_says_so(
-    tmp_path, monkeypatch
-):
+def test_no_key_in_anything_train_logs_or_prints(tmp_path, monkeypatch):
     """`dpivon train` (secure by default) logs its model: the key from the OS appears in no
-    param, tag, metric, artifact, model file or output; research mode labels its model."""
+    param, tag, metric, artifact, model file or output. (What research mode's models say:
+    tests/test_sweep.py.)"""
     key = bytes(range(101, 101 + KEY_BYTES))  # what the patched OS entropy source returns
     import dpivon.privacy.noise as noise
 
@@ -157,16 +155,11 @@ def test_no_key_or_noise_seed_in_anything_train_logs_and_research_mode_says_so(
              "--batch-size", "30", "--bma-samples", "0", "--tracking-uri", uri]  # fmt: skip
     secure = runner.invoke(app, [*flags, "--json", str(tmp_path / "out.json")])
     assert secure.exit_code == 0, secure.output
-    research = runner.invoke(app, [*flags, "--research-mode"])
-    assert research.exit_code == 0, research.output
-    assert "no DP guarantee" in " ".join(research.output.split())
 
     client = mlflow.MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
-    by_mode = {run.data.params["research_mode"]: run for run in runs}
-    run = by_mode["False"]
+    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
+    assert run.data.params["research_mode"] == "False"
     assert run.data.tags[NOISE_TAG].startswith("secure")
-    assert by_mode["True"].data.tags[NOISE_TAG] == RESEARCH_MODE_WARNING
     files = Path(
         mlflow.artifacts.download_artifacts(
             artifact_uri=f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path / "model"),
@@ -184,5 +177,11 @@ def test_no_key_or_noise_seed_in_anything_train_logs_and_research_mode_says_so(
         assert not any(form in text for text in texts)
         assert not any(form.encode() in blob for blob in blobs)
     assert not any(key in blob for blob in blobs)
-    research_model = mlflow.pyfunc.load_model(f"runs:/{by_mode['True'].info.run_id}/model")
-    assert research_model.metadata.metadata[NOISE_TAG] == RESEARCH_MODE_WARNING
+
+
+def test_an_older_config_s_secure_mode_leaves_the_noise_secure():
+    """Files from before the default changed hold secure_mode (false in most of them):
+    noise stays secure; only an explicit research_mode makes it reproducible."""
+    for older in ({"secure_mode": False}, {"privacy": {"secure_mode": True}}):
+        assert parse_config({**SMALL, **older}).privacy.research_mode is False
+    assert parse_config({**SMALL, "research_mode": True}).privacy.research_mode is True

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import load_configs
 from dpivon.data import DataSplits
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pareto import non_dominated_mask
 from dpivon.search.pipeline import load_pipeline
@@ -383,6 +384,7 @@ def test_a_default_sweep_releases_models_no_retrain_reproduces(finished_sweep, t
     assert not list(sweep_folder(pipeline).rglob(RESUME_FILE))
     checkpoint = next(c for _, s, c in released if s["config"]["optimizer"]["name"] == "dp-sgd")
     with_target, without_target = relative_distances_of_retrains(checkpoint)
+    print(f"secure: relative distance {with_target:.3g} with, {without_target:.3g} without")
     assert with_target > 1e-3 and without_target > 1e-3
 
     research = load_pipeline(
@@ -395,10 +397,15 @@ def test_a_default_sweep_releases_models_no_retrain_reproduces(finished_sweep, t
         )
     )
     run_sweep(research)
-    _, (research_parent,), _ = runs_of(tmp_path, research.experiment)
+    research_client, (research_parent,), _ = runs_of(tmp_path, research.experiment)
     assert research_parent.data.tags["mlflow.note.content"].startswith("**No DP guarantee**")
     tuning = json.loads((sweep_folder(research) / "tuning_privacy.json").read_text())
     assert tuning["eps8-dp-sgd"]["dp_guarantee"].startswith("none: research mode")
-    ((_, _, research_checkpoint),) = released_models(tmp_path, research)
+    ((research_run, _, research_checkpoint),) = released_models(tmp_path, research)
+    tags = research_client.get_run(research_run).data.tags
+    assert tags["dpivon.noise"] == RESEARCH_MODE_WARNING
+    logged = mlflow.pyfunc.load_model(f"runs:/{research_run}/model")
+    assert logged.metadata.metadata["dpivon.noise"] == RESEARCH_MODE_WARNING
     with_target, without_target = relative_distances_of_retrains(research_checkpoint)
+    print(f"research: relative distance {with_target:.3g} with, {without_target:.3g} without")
     assert with_target == 0.0 and without_target > 1e-3
