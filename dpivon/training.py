@@ -313,6 +313,11 @@ def _rng_states(setup: TrainingSetup) -> dict:
 
 
 def _restore_rng_states(states: dict, setup: TrainingSetup) -> None:
+    if "randomness" not in states:
+        raise DpivonError(
+            "this checkpoint predates secure noise (it holds a seeded generator, no noise "
+            "key): it cannot resume; start the run again"
+        )
     torch.set_rng_state(states["torch"])
     if states["cuda"]:
         torch.cuda.set_rng_state_all(states["cuda"])
