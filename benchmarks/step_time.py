@@ -88,7 +88,9 @@ class Run:
     device: torch.device
 
 
-def build_run(optimizer: str, engine: str, model: str, batch_size: int, data, device) -> Run:
+def build_run(
+    optimizer: str, engine: str, model: str, batch_size: int, data, device, research_mode=False
+) -> Run:
     fields = {
         "dataset": "synthetic",
         "model": model,
@@ -98,7 +100,7 @@ def build_run(optimizer: str, engine: str, model: str, batch_size: int, data, de
         "device": str(device),
     }
     if optimizer in PRIVATE_OPTIMIZERS:
-        fields["engine"] = engine
+        fields.update(engine=engine, research_mode=research_mode)
     config = parse_config(fields)
     seed_everything(0)
     setup = build_training(config, data, device)

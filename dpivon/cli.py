@@ -259,7 +259,7 @@ TRAIN_FLAGS = (
     "dataset", "data_path", "model", "optimizer", "epsilon", "delta", "accountant", "engine",
     "max_grad_norm", "epochs", "batch_size", "lr", "lr_schedule", "hess_init", "beta2",
     "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "seed",
-    "secure_mode", "device",
+    "research_mode", "device",
 )  # fmt: skip
 
 
@@ -536,10 +536,12 @@ def export(
     epsilon: Opt[float | None, typer.Option(help="only this epsilon's front")] = None,
     epochs: Opt[int | None, typer.Option(help="production epochs (default: the sweep's)")] = None,
     full_data: Opt[bool, typer.Option(help="train on the full training set")] = True,
-    secure_mode: Opt[
+    research_mode: Opt[
         bool,
-        typer.Option(help="noise from OS entropy, never stored (off: reproducible by seed)"),
-    ] = True,
+        typer.Option(
+            help="noise reproducible from the seed: no DP guarantee (default: secure noise)"
+        ),
+    ] = False,
 ) -> None:
     """Write the chosen Pareto-optimal configurations as production training configs."""
     from dpivon.search.export import departure, export_configs, resolve_sweep, write_configs
@@ -560,7 +562,7 @@ def export(
         epsilon=epsilon,
         epochs=epochs,
         full_data=full_data,
-        secure_mode=secure_mode,
+        research_mode=research_mode,
     )
     write_configs(out, picked, objectives, pick)
     console.print(f"wrote {len(picked)} config(s) to {out}; run: dpivon train --config {out}")

@@ -172,10 +172,20 @@ class PrivacyConfig(Section):
     # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
     # (book-keeping) where it is exact for the model and one MC sample, else Opacus hooks.
     engine: Literal["auto", "bk", "hooks", "functorch", "ew", "ghost"] = "auto"
-    # Noise and Poisson sampling from OS entropy (never stored) with Opacus's floating-point
-    # attack defence; off, they follow the seed and are reproducible by anyone who knows it.
-    secure_mode: Bool = False
+    # Off (the default): noise and Poisson sampling from a CSPRNG keyed by the OS, never
+    # stored outside resume checkpoints (dpivon.privacy.noise). On: they follow the seed,
+    # reproducible by anyone who knows it: no DP guarantee for anything the run releases.
+    research_mode: Bool = False
     tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_secure_mode(cls, data: Any) -> Any:
+        # Files written before secure noise became the default hold `secure_mode`: noise is
+        # secure unless research_mode is set, so either value now means the default.
+        if isinstance(data, Mapping) and isinstance(data.get("secure_mode"), bool):
+            data = {k: v for k, v in data.items() if k != "secure_mode"}
+        return data
 
 
 class EvaluationConfig(Section):
@@ -187,7 +197,7 @@ class EvaluationConfig(Section):
 
 
 class RuntimeConfig(Section):
-    # initialisation, posterior draws, batches and (unless secure_mode) the DP noise
+    # initialisation and posterior draws; in research mode also the DP noise and sampling
     seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
     device: str = "auto"
 
@@ -221,10 +231,11 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{name: ("optimizer", name) for name in OPTION_NAMES},
 }
 # Keys that older flat configs hold with a value that now means "not set": a test hook
-# (fail_at_epoch) and options of other optimizer families, which those files listed for
-# every optimizer at their old global defaults.
+# (fail_at_epoch), secure_mode, and options of other optimizer families, which those files
+# listed for every optimizer at their old global defaults.
 _RETIRED_FLAT_VALUES = {
     "fail_at_epoch": (None,),
+    "secure_mode": (True, False),  # secure noise is the default: research_mode opts out
     "beta1": (None, 0.9),
     "mc_samples": (None, 1),
     "clip_radius": (None, math.inf),

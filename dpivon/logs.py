@@ -8,7 +8,7 @@ import os
 import warnings
 
 _KNOWN_WARNINGS = (
-    "Secure RNG turned off",  # Opacus: fine for research runs; secure_mode for a release
+    "Secure RNG turned off",  # Opacus's own secure RNG (torchcsprng); ours: privacy.noise
     "Optimal order is the largest alpha",  # RDP: harmless at these budgets
     "Full backward hook is firing",  # torch: inputs need no grad, per-sample grads are exact
 )

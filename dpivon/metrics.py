@@ -15,6 +15,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from dpivon.privacy.noise import Randomness, gaussian_noise
+
 NLL_EPSILON = 1e-12
 """Probabilities are clamped to at least this before the log, so NLL stays finite."""
 
@@ -214,7 +216,7 @@ VALIDATION_SCORE_SENSITIVITY = math.sqrt(3.0)
 
 
 def private_validation_scores(
-    diagram: ReliabilityDiagram, noise_multiplier: float, generator: torch.Generator
+    diagram: ReliabilityDiagram, noise_multiplier: float, randomness: Randomness
 ) -> dict[str, float]:
     """Accuracy and ECE from Gaussian-noised bin statistics (the Gaussian mechanism).
 
@@ -229,12 +231,9 @@ def private_validation_scores(
     correct = np.where(filled, diagram.bin_accuracy * diagram.bin_count, 0.0)
     confidence = np.where(filled, diagram.bin_confidence * diagram.bin_count, 0.0)
     exact = torch.from_numpy(np.stack([diagram.bin_count.astype(np.float64), correct, confidence]))
-    noise = torch.randn(
-        exact.shape, generator=generator, dtype=torch.float64, device=generator.device
-    ).cpu()
-    count, correct, confidence = (
-        exact + noise * noise_multiplier * VALIDATION_SCORE_SENSITIVITY
-    ).numpy()
+    std = noise_multiplier * VALIDATION_SCORE_SENSITIVITY
+    noise = gaussian_noise(randomness, std, exact.numel(), torch.device("cpu"), torch.float64)
+    count, correct, confidence = (exact + noise.view_as(exact)).numpy()
     total = max(float(count.sum()), 1.0)
     return {
         "accuracy": float(np.clip(correct.sum() / total, 0.0, 1.0)),

@@ -39,6 +39,7 @@ from dpivon.evaluation import Posterior
 from dpivon.metrics import plot_reliability_diagram
 from dpivon.models import build_model
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
+from dpivon.privacy.noise import NOISE_TAG, noise_statement
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
@@ -345,8 +346,15 @@ def log_model(
     posterior: Posterior | None,
 ) -> None:
     """Log the trained model (mean + posterior h) as an MLflow pyfunc model named "model",
-    with the dpivon code it runs and the pinned packages it imports."""
+    with the dpivon code it runs and the pinned packages it imports, and its run tag and
+    metadata saying whether its noise was secure or reproducible."""
     status = tracker.run_status(run_id)
+    noise = (
+        noise_statement(config.privacy.research_mode)
+        if config.is_private
+        else "none: a non-private optimizer"
+    )
+    tracker.set_tags(run_id, {NOISE_TAG: noise})
     package = Path(__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
@@ -365,7 +373,7 @@ def log_model(
                     {"bma_samples": min(config.evaluation.bma_samples, 2)},
                 ),
                 pip_requirements=pinned_requirements(),
-                metadata={"input": INPUT_CONTRACT},
+                metadata={"input": INPUT_CONTRACT, NOISE_TAG: noise},
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.
     tracker.client.update_run(run_id, status=status)

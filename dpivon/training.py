@@ -26,12 +26,12 @@ from dpivon.metrics import ReliabilityDiagram, private_validation_scores, reliab
 from dpivon.models import build_model
 from dpivon.optim.ivon import IVON
 from dpivon.optim.registry import build_optimizer
-from dpivon.privacy.engine import (
-    PrivacyPlan,
-    PrivateTraining,
-    make_private,
-    plan_privacy,
-    privacy_generator,
+from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
+from dpivon.privacy.noise import (
+    RESEARCH_MODE_WARNING,
+    Randomness,
+    SeededRandomness,
+    mechanism_randomness,
 )
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
@@ -139,6 +139,8 @@ class TrainResult:
         tuning, plan = self.config.privacy.tuning, self.privacy
         if plan is None:
             return {}
+        if self.config.privacy.research_mode:
+            return {"epsilon_covers": f"nothing: {RESEARCH_MODE_WARNING}"}
         if tuning is None:
             validation = (
                 "validation scores are noised (validation records covered too)"
@@ -210,8 +212,9 @@ def load_data(config: TrainConfig) -> DataSplits:
 class TrainingSetup:
     """The live training objects; ``model`` is the unwrapped network (shared parameters).
 
-    ``generator`` draws the batches (and, for private runs, the DP noise); ``criterion`` is
-    the loss whose backward the engine needs.
+    ``randomness`` draws the batches (and, for private runs, the Poisson masks and the DP
+    noise: secure unless research mode); ``criterion`` is the loss whose backward the
+    engine needs.
     """
 
     model: nn.Module
@@ -220,7 +223,7 @@ class TrainingSetup:
     criterion: nn.Module
     ivon: IVON | None
     loader: PoissonBatches | ShuffledBatches
-    generator: torch.Generator
+    randomness: Randomness
     private: PrivateTraining | None
 
 
@@ -274,13 +277,17 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         grad_noise_std=plan.grad_noise_std if plan else 0.0,
     )
     ivon = optimizer if isinstance(optimizer, IVON) else None
-    generator = privacy_generator(config.runtime.seed, device, secure=config.privacy.secure_mode)
-    if plan is None:
+    # DP noise, Poisson masks and noised validation scores (in non-private runs too)
+    randomness = mechanism_randomness(
+        config.runtime.seed, device, research=config.privacy.research_mode
+    )
+    if plan is None:  # no DP for the training records: the batches follow the seed
+        shuffling = SeededRandomness(config.runtime.seed, device).generator
         loader = ShuffledBatches(
-            features, labels, batch_size=config.training.batch_size, generator=generator
+            features, labels, batch_size=config.training.batch_size, generator=shuffling
         )
         return TrainingSetup(
-            model, model, optimizer, nn.CrossEntropyLoss(), ivon, loader, generator, None
+            model, model, optimizer, nn.CrossEntropyLoss(), ivon, loader, randomness, None
         )
     private = make_private(
         model,
@@ -289,8 +296,7 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         labels,
         plan,
         engine=config.privacy.engine,
-        generator=generator,
-        secure_mode=config.privacy.secure_mode,
+        randomness=randomness,
     )
     return TrainingSetup(
         model,
@@ -299,7 +305,7 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
         private.criterion,
         ivon,
         private.loader,
-        generator,
+        randomness,
         private,
     )
 
@@ -338,21 +344,31 @@ def train_step(setup: TrainingSetup, x: torch.Tensor, y: torch.Tensor, mc_sample
 def _rng_states(setup: TrainingSetup) -> dict:
     """Every random stream a run draws from: resuming continues each instead of replaying.
 
-    In secure mode the privacy generator's state is as sensitive as the training data; the
+    In secure mode the randomness's state is its key, as sensitive as the training data; the
     checkpoint lives in the sweep's private storage and is never logged or exported.
     """
-    return {
+    states = {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generator": setup.generator.get_state(),
+        "randomness": setup.randomness.state_dict(),
     }
+    if isinstance(setup.loader, ShuffledBatches):
+        states["shuffling"] = setup.loader.generator.get_state()
+    return states
 
 
 def _restore_rng_states(states: dict, setup: TrainingSetup) -> None:
+    if "randomness" not in states:
+        raise DpivonError(
+            "this checkpoint predates secure noise (it holds a seeded generator, no noise "
+            "key): it cannot resume; start the run again"
+        )
     torch.set_rng_state(states["torch"])
     if states["cuda"]:
         torch.cuda.set_rng_state_all(states["cuda"])
-    setup.generator.set_state(states["generator"])
+    setup.randomness.load_state_dict(states["randomness"])
+    if isinstance(setup.loader, ShuffledBatches):
+        setup.loader.generator.set_state(states["shuffling"])
 
 
 def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list[dict]) -> dict:
@@ -437,7 +453,7 @@ def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluatio
         return val.metrics
     diagram = reliability_diagram(val.probs, val.labels, config.evaluation.ece_bins)
     return private_validation_scores(
-        diagram, config.evaluation.val_noise_multiplier, setup.generator
+        diagram, config.evaluation.val_noise_multiplier, setup.randomness
     )
 
 

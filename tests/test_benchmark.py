@@ -161,6 +161,7 @@ def test_scoring_on_test_gives_trains_own_test_metrics_and_a_temperature():
         batch_size=64,
         bma_samples=2,
         epsilon=8,
+        research_mode=True,  # both trainings draw the seed's noise: the same model
     )
     data = load_data(config)
     reference = train(config, data=data, evaluate_test=True)

@@ -26,6 +26,7 @@ from dpivon.privacy.bookkeeping import (
     prefer_ghost_norm,
 )
 from dpivon.privacy.engine import make_private, plan_privacy, resolve_engine
+from dpivon.privacy.noise import SeededRandomness
 from dpivon.search.space import load_search_space
 from dpivon.training import build_training, load_data, resolve_device, train, train_step
 
@@ -61,9 +62,9 @@ def noise_free_private(model: nn.Module, data, clip: float, engine: str, optimiz
         epochs=1,
     )
     copy_ = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
+    randomness = SeededRandomness(0, torch.device("cpu"))
     private = make_private(
-        copy_, optimizer(copy_.parameters()), *data, plan, engine=engine, generator=generator
+        copy_, optimizer(copy_.parameters()), *data, plan, engine=engine, randomness=randomness
     )
     return copy_, private
 
@@ -311,6 +312,7 @@ SHORT_RUN = {
     "batch_size": 32,
     "epochs": 1,
     "bma_samples": 2,
+    "research_mode": True,  # the same seeded noise in every run: engines compare exactly
 }
 
 

@@ -48,7 +48,7 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         folder = resolve_sweep(str(path))
         ((row, picked),) = export_configs(folder, SweepState.load(folder).objectives,
                                           "max-accuracy", optimizer="dp-sgd", epsilon=8.0,
-                                          full_data=False, secure_mode=False)
+                                          full_data=False, research_mode=False)
         benchmark = load_benchmark(spec_path)
         outcome = run_benchmark(benchmark)
     finally:

@@ -342,7 +342,7 @@ INT_KEYS += ("synthetic_size", "val_size", "per_class", "data_seed")
 FLOAT_KEYS = ("epsilon", "delta", "max_grad_norm", "lr", "weight_decay", "momentum", "beta2")
 FLOAT_KEYS += ("hess_init", "hess_floor", "curvature_ema", "val_noise_multiplier")
 TEXT_KEYS = ("dataset", "model", "optimizer", "device", "engine", "accountant", "data_path")
-CONFIG_KEYS = (*INT_KEYS, *FLOAT_KEYS, *TEXT_KEYS, "secure_mode", "optimizer.lr", "privacy")
+CONFIG_KEYS = (*INT_KEYS, *FLOAT_KEYS, *TEXT_KEYS, "research_mode", "optimizer.lr", "privacy")
 VALUES = st.one_of(
     st.booleans(),
     st.none(),

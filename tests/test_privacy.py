@@ -12,6 +12,7 @@ from torch import nn
 from dpivon.errors import DpivonError
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.privacy.engine import PrivacyPlan, make_private, plan_privacy
+from dpivon.privacy.noise import SecureRandomness
 
 DTYPE = torch.float64
 N_IN, N_HIDDEN, N_OUT = 4, 6, 3
@@ -230,9 +231,7 @@ def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_sampl
         mc_samples=mc_samples,
         grad_noise_std=plan.grad_noise_std,
     )
-    private = make_private(
-        model, optimizer, x, y, plan, generator=torch.Generator().manual_seed(1)
-    )
+    private = make_private(model, optimizer, x, y, plan, randomness=SecureRandomness())
     assert private.epsilon_spent() == 0.0
     torch.manual_seed(2)
     for _ in range(epochs):

@@ -1,5 +1,5 @@
 """The epsilon dpivon prints, checked as a DP reviewer would: the plan is what Opacus runs,
-every trial draws its own noise, secure mode's noise is unpredictable, a resumed run
+every trial draws its own noise (secure noise: tests/test_secure_noise.py), a resumed run
 continues its noise, and the private path clips and noises what each optimizer uses."""
 
 from __future__ import annotations
@@ -8,9 +8,7 @@ import dataclasses
 import io
 import json
 import math
-import secrets
 
-import mlflow
 import numpy as np
 import pytest
 import torch
@@ -23,7 +21,8 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import parse_config
 from dpivon.optim.ivon import DPIVON, hessian_update, price_hessian
-from dpivon.privacy.engine import make_private, plan_privacy, privacy_generator
+from dpivon.privacy.engine import make_private, plan_privacy
+from dpivon.privacy.noise import SeededRandomness
 from dpivon.privacy.sampling import PoissonBatches
 from dpivon.search.trial import trial_seed
 from dpivon.training import build_training, load_data, train, train_step
@@ -103,7 +102,7 @@ def test_plan_is_what_opacus_records_for_every_batch_size(dataset_size, batch_si
             hess_approx="gradsq",
         )
         private = make_private(
-            model, optimizer, features, labels, plan, generator=torch.Generator().manual_seed(0)
+            model, optimizer, features, labels, plan, randomness=SeededRandomness(0, CPU)
         )
         x, y = next(iter(private.loader))
         with optimizer.sampled_params(train=True):
@@ -124,7 +123,7 @@ def test_poisson_sampler_includes_each_example_at_rate_q():
         torch.arange(500),
         sample_rate=plan.sample_rate,
         steps=2000,
-        generator=torch.Generator().manual_seed(3),
+        randomness=SeededRandomness(3, CPU),
     )
     counts = torch.zeros(500)
     for _, y in sampler:
@@ -171,7 +170,7 @@ def test_train_on_930_examples_at_batch_10_spends_at_most_the_target(tmp_path):
     assert summary["epsilon_spent"] == pytest.approx(independent, abs=0.05)
 
 
-# --- noise: independent across trials, unpredictable in secure mode --------------------------
+# --- noise: independent across trials, even in research mode --------------------------------
 
 
 def pure_noise_gradient(config_overrides: dict) -> torch.Tensor:
@@ -187,70 +186,24 @@ def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(np.corrcoef(a.numpy(), b.numpy())[0, 1])
 
 
-def test_trials_of_a_sweep_draw_independent_noise():
+def test_trials_of_a_sweep_draw_independent_noise_even_in_research_mode():
     seeds = {trial_seed(0, f"abc_{i:05d}") for i in range(50)}
     assert len(seeds) == 50 and all(0 <= s < 2**32 for s in seeds)
     assert trial_seed(0, "abc_00001") == trial_seed(0, "abc_00001")  # stable for resumes
     first, second = (trial_seed(0, t) for t in ("abc_00000", "abc_00001"))
-    noise_a = pure_noise_gradient({"seed": first, "max_grad_norm": 1.0, "lr": 0.1})
-    noise_b = pure_noise_gradient({"seed": second, "max_grad_norm": 2.0, "lr": 0.3})
+    research = {"research_mode": True}  # noise from the seed: distinct seeds must not share it
+    noise_a = pure_noise_gradient({**research, "seed": first, "max_grad_norm": 1.0, "lr": 0.1})
+    noise_b = pure_noise_gradient({**research, "seed": second, "max_grad_norm": 2.0, "lr": 0.3})
     assert abs(correlation(noise_a, noise_b / 2.0)) < 0.02
     # The control: equal seeds do share noise (what every trial did before).
-    same = pure_noise_gradient({"seed": first, "max_grad_norm": 2.0, "lr": 0.3})
+    same = pure_noise_gradient({**research, "seed": first, "max_grad_norm": 2.0, "lr": 0.3})
     assert correlation(noise_a, same / 2.0) == pytest.approx(1.0, abs=1e-6)
-
-
-def test_secure_mode_noise_is_unpredictable_from_the_seed():
-    first = pure_noise_gradient({"seed": 5, "secure_mode": True})
-    second = pure_noise_gradient({"seed": 5, "secure_mode": True})
-    assert abs(correlation(first, second)) < 0.02
-    config = parse_config({**SMALL, "optimizer": "dp-sgd", "secure_mode": True})
-    setup = build_training(config, load_data(config), CPU)
-    assert setup.optimizer.secure_mode  # Opacus's floating-point attack defence is on
-
-
-def test_secure_mode_seed_is_never_logged(tmp_path, monkeypatch):
-    secret = 7_301_999_123_456_789
-    monkeypatch.setattr(secrets, "randbits", lambda bits: secret)
-    generator = privacy_generator(0, CPU, secure=True)
-    assert generator.initial_seed() == secret  # the patched entropy source is the one used
-    store = tmp_path / "mlflow.db"
-    result = runner.invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "small-cnn",
-            "--optimizer",
-            "dp-sgd",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "50",
-            "--bma-samples",
-            "0",
-            "--secure-mode",
-            "--json",
-            str(tmp_path / "out.json"),
-            "--tracking-uri",
-            f"sqlite:///{store}",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    client = mlflow.MlflowClient(f"sqlite:///{store}")
-    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
-    recorded = json.dumps(
-        [run.data.params, run.data.tags, run.data.metrics, (tmp_path / "out.json").read_text()]
-    )
-    assert run.data.params["secure_mode"] == "True"
-    assert str(secret) not in recorded and str(secret) not in result.output
 
 
 def test_resumed_run_continues_the_noise_instead_of_replaying_it():
     """Checkpoint (through torch.save / weights_only load) after epoch 1, resume: the model
-    equals the uninterrupted run's, which it could not if epoch 2 replayed epoch 1's noise."""
+    equals the uninterrupted run's, which it could not if epoch 2 replayed epoch 1's noise.
+    The run is secure (the default): the checkpoint carries its key and stream position."""
     config = parse_config({**SMALL, "optimizer": "dp-ivon-gradsq", "epochs": 2, "batch_size": 50})
     data = load_data(config)
     saved = {}
@@ -265,10 +218,8 @@ def test_resumed_run_continues_the_noise_instead_of_replaying_it():
     resumed = train(config, data=data, resume_state=state, evaluate_test=False)
     for name, p in full.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], p)
-    # Replaying (restoring the generator to its start) gives a different model.
-    state["rng"]["generator"] = privacy_generator(
-        config.runtime.seed, CPU, secure=False
-    ).get_state()
+    # Replaying (the same key from the start of its stream) gives a different model.
+    state["rng"]["randomness"]["draws"] = torch.tensor(0)
     replayed = train(config, data=data, resume_state=state, evaluate_test=False)
     differs = [
         not torch.allclose(replayed.model.state_dict()[n], p)

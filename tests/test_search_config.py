@@ -497,6 +497,7 @@ def test_pipeline_api(tmp_path):
         "epsilon": 8.0,
         "delta": 1e-5,
         "accountant": "rdp",
+        "research_mode": False,  # secure noise unless the pipeline asks for research mode
         "data_seed": 0,
         "seed": 0,
         "val_noise_multiplier": 0.0,

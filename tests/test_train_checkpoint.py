@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
 RUN = ["train", "--dataset", "synthetic", "--model", "small-cnn", "--optimizer", "dp-sgd",
-       "--epsilon", "8", "--epochs", "3", "--batch-size", "64", "--no-secure-mode",
+       "--epsilon", "8", "--epochs", "3", "--batch-size", "64", "--research-mode",
        "--no-log-model", "--set", "data.synthetic_size=600"]
 
 

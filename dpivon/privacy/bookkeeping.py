@@ -2,9 +2,10 @@
 
 Bu, Wang, Zha & Karypis, "Differentially private optimization on large model at small
 cost" (ICML 2023), with the per-layer choice of mixed ghost clipping (Bu, Mao & Xu 2022).
-Opacus keeps what it does well: noise, the division by the expected batch size and the
-accountant's step hook all happen in `BookKeepingDPOptimizer`, an Opacus
-``DPOptimizerFastGradientClipping`` that takes the clipped sum from ``p.grad``.
+Opacus keeps what it does well: the division by the expected batch size and the
+accountant's step hook happen in `BookKeepingDPOptimizer`, an Opacus
+``DPOptimizerFastGradientClipping`` that takes the clipped sum from ``p.grad`` and draws
+its noise from the run's randomness (`dpivon.privacy.noise`), as every engine does.
 
 One step, top to bottom:
 
@@ -46,6 +47,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import Tensor, nn
 
 from dpivon.errors import DpivonError
+from dpivon.privacy.noise import NoiseFromRandomness
 
 # The clipped sum of one parameter as a function of the clip factors c (shape (B,)).
 WeightedSum = Callable[[Tensor], Tensor]
@@ -538,8 +540,8 @@ class BookKeepingLoss(nn.Module):
         return ClippedLoss(self.criterion(logits, target), self.clipper, len(logits))
 
 
-class BookKeepingDPOptimizer(DPOptimizerFastGradientClipping):
-    """Opacus's noise (sigma C, its generator and secure mode), division by the expected
+class BookKeepingDPOptimizer(NoiseFromRandomness, DPOptimizerFastGradientClipping):
+    """Noise sigma C from the run's randomness, Opacus's division by the expected
     batch size and accountant hook, on the clipped sum a book-keeping backward left in
     ``p.grad`` (``pre_step`` copies it to ``p.summed_grad``, which ``add_noise`` reads).
 

@@ -8,9 +8,9 @@ module decides sigma_p before the optimizer exists (DP-IVON needs the noise leve
 its squared gradient) and owns the sampling, so that the sample rate the accountant is told
 is exactly the one the sampler uses: q = b / N, expected batch size b.
 
-Engines (how the clipped sum of per-example gradients is computed; noise, scaling and
-accounting are Opacus's in every one, and every one reads the clipped sum from
-``p.summed_grad`` in ``add_noise``):
+Engines (how the clipped sum of per-example gradients is computed; scaling and accounting
+are Opacus's in every one, the noise comes from the run's `dpivon.privacy.noise.Randomness`
+in every one, and every one reads the clipped sum from ``p.summed_grad`` in ``add_noise``):
 
 - ``bk``: book-keeping, one backward pass without per-sample gradients of the whole model
   (`dpivon.privacy.bookkeeping`); the fastest, for Conv2d, Linear and GroupNorm models.
@@ -23,11 +23,9 @@ accounting are Opacus's in every one, and every one reads the clipped sum from
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from opacus.accountants import IAccountant, create_accountant
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -51,6 +49,7 @@ from dpivon.privacy.bookkeeping import (
     trainable_layers,
     unsupported_layers,
 )
+from dpivon.privacy.noise import NoiseFromRandomness, Randomness
 from dpivon.privacy.sampling import PoissonBatches
 
 # Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
@@ -73,9 +72,14 @@ _EW_LAYERS = (
     nn.InstanceNorm2d,
     nn.InstanceNorm3d,
 )
-# Stream label mixed into the research seed so the privacy generator never shares a stream
-# with model initialisation or posterior sampling (which use the global RNG).
-_PRIVACY_STREAM = 0x5EED_D1CE
+
+
+class NoisedDPOptimizer(NoiseFromRandomness, DPOptimizer):
+    """Opacus's DPOptimizer (clip in pre_step) with its noise from a `Randomness`."""
+
+
+class NoisedFastGradientClippingOptimizer(NoiseFromRandomness, DPOptimizerFastGradientClipping):
+    """Opacus's ghost-clipping optimizer with its noise from a `Randomness`."""
 
 
 @dataclass(frozen=True)
@@ -152,22 +156,6 @@ def plan_privacy(
     )
 
 
-def privacy_generator(seed: int, device: torch.device, *, secure: bool) -> torch.Generator:
-    """The generator of Poisson sampling and DP noise.
-
-    Research runs derive it from the run's seed (reproducible: whoever knows the seed can
-    regenerate the noise). Secure runs seed it from the operating system's entropy source;
-    that seed is never stored, logged or exported.
-    """
-    generator = torch.Generator(device=device)
-    if secure:
-        generator.manual_seed(secrets.randbits(63))
-    else:
-        state = np.random.SeedSequence([seed, _PRIVACY_STREAM]).generate_state(1, np.uint64)
-        generator.manual_seed(int(state[0]) & (2**63 - 1))
-    return generator
-
-
 @dataclass
 class PrivateTraining:
     """The Opacus-wired training objects and the accountant that tracks them.
@@ -181,7 +169,7 @@ class PrivateTraining:
     criterion: nn.Module
     loader: PoissonBatches
     accountant: IAccountant
-    generator: torch.Generator
+    randomness: Randomness
     plan: PrivacyPlan
     engine: str
 
@@ -202,15 +190,16 @@ class PrivateTraining:
         return {rate for _, rate, _ in self.accountant.history}
 
     def state_dict(self) -> dict[str, Any]:
-        """Accountant history and the privacy generator's position, for resuming."""
+        """Accountant history and the randomness's state (in secure mode its key: as
+        sensitive as the data), for resuming."""
         return {
             "accountant": self.accountant.state_dict(),
-            "generator": self.generator.get_state(),
+            "randomness": self.randomness.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.accountant.load_state_dict(state["accountant"])
-        self.generator.set_state(state["generator"])
+        self.randomness.load_state_dict(state["randomness"])
 
 
 def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
@@ -307,13 +296,13 @@ def _wire_engine(
             max_grad_norm=noise["max_grad_norm"],
             use_ghost_clipping=True,
         )
-        private = DPOptimizerFastGradientClipping(optimizer, **noise)
+        private = NoisedFastGradientClippingOptimizer(optimizer, **noise)
         return module, private, DPLossFastGradientClipping(module, private, criterion, "mean")
     module = prepare_module(model, engine, batch_first=True, loss_reduction="mean")
     module.forbid_grad_accumulation()  # Poisson sampling: one backward per step
     if engine in ("functorch", "ew"):
         module = EmptyBatchBypass(module)
-    return module, DPOptimizer(optimizer, **noise), criterion
+    return module, NoisedDPOptimizer(optimizer, **noise), criterion
 
 
 def make_private(
@@ -324,8 +313,7 @@ def make_private(
     plan: PrivacyPlan,
     *,
     engine: str = DEFAULT_ENGINE,
-    generator: torch.Generator,
-    secure_mode: bool = False,
+    randomness: Randomness,
 ) -> PrivateTraining:
     """Wire ``model`` and ``optimizer`` for private training on (features, labels).
 
@@ -333,9 +321,8 @@ def make_private(
     says to what). An IVON-family optimizer's ``mc_samples`` takes part in that choice.
     Train with ``PrivateTraining.criterion``: ``bk`` and ``ghost`` clip in its backward.
 
-    ``secure_mode`` turns on Opacus's defence against floating-point attacks on the noise
-    (2n Gaussian draws per sample, arXiv 2107.10138); pair it with a generator from
-    ``privacy_generator(..., secure=True)``.
+    ``randomness`` draws the Poisson masks and the noise (`dpivon.privacy.noise`: a
+    `SecureRandomness` for anything released, with the floating-point attack defence).
     """
     if len(labels) != plan.dataset_size:
         raise ValueError(f"plan is for {plan.dataset_size} examples, data has {len(labels)}")
@@ -345,8 +332,7 @@ def make_private(
         max_grad_norm=plan.max_grad_norm,
         expected_batch_size=plan.expected_batch_size,
         loss_reduction="mean",
-        generator=generator,
-        secure_mode=secure_mode,
+        randomness=randomness,
     )
     module, private_optimizer, criterion = _wire_engine(engine, model, optimizer, noise)
     accountant = create_accountant(mechanism=plan.accountant)
@@ -359,7 +345,7 @@ def make_private(
         labels,
         sample_rate=plan.sample_rate,
         steps=plan.steps_per_epoch,
-        generator=generator,
+        randomness=randomness,
     )
     return PrivateTraining(
         module=module,
@@ -367,7 +353,7 @@ def make_private(
         criterion=criterion,
         loader=loader,
         accountant=accountant,
-        generator=generator,
+        randomness=randomness,
         plan=plan,
         engine=engine,
     )

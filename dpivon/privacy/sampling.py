@@ -1,7 +1,8 @@
 """Batches drawn from tensors that already live on the training device.
 
 `PoissonBatches` is the sampling the accountant assumes: at every step each example is
-included independently with probability q, a Bernoulli mask drawn on the device. The
+included independently with probability q, a Bernoulli mask from the run's randomness
+(`dpivon.privacy.noise`: cryptographic unless in research mode). The
 accountant is told this very q, so the plan and what runs cannot drift apart (Opacus 1.6's
 loader derives q = 1 / int(1 / q) from its length, which for some batch counts is the
 rate of k - 1 batches). No DataLoader, no workers, no per-example Python.
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from dpivon.privacy.noise import Randomness
+
 
 class PoissonBatches:
     """``steps`` Poisson-sampled batches per pass, each example in with probability q."""
@@ -29,27 +32,21 @@ class PoissonBatches:
         *,
         sample_rate: float,
         steps: int,
-        generator: torch.Generator,
+        randomness: Randomness,
     ) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         if len(features) != len(labels):
             raise ValueError(f"{len(features)} features but {len(labels)} labels")
         self.features, self.labels = features, labels
-        self.sample_rate, self.steps, self.generator = sample_rate, steps, generator
+        self.sample_rate, self.steps, self.randomness = sample_rate, steps, randomness
 
     def __len__(self) -> int:
         return self.steps
 
     def sample_mask(self) -> Tensor:
         """One step's inclusion mask; float64 uniforms keep P(in) = q to 2^-53."""
-        uniforms = torch.rand(
-            len(self.labels),
-            generator=self.generator,
-            device=self.labels.device,
-            dtype=torch.float64,
-        )
-        return uniforms < self.sample_rate
+        return self.randomness.uniform(len(self.labels), self.labels.device) < self.sample_rate
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for _ in range(self.steps):

@@ -14,9 +14,9 @@ were chosen by the sweep on the same records, so the config carries the sweep's 
 best`` declared one pick (the best by its metric); any other pick (``knee``, ``pareto``:
 a selection that depends on the whole front, or several models) is not what the
 random-trials bound covers, so its configs carry the composition of all the group's
-trials instead (read from the sweep's private ``tuning_private.json``). Exported configs run in
-secure mode (noise from OS entropy, never stored): a released model's noise must not be
-reproducible from a logged seed.
+trials instead (read from the sweep's private ``tuning_private.json``). Exported configs run
+with secure noise (dpivon.privacy.noise) unless ``research_mode`` is asked for: a released
+model's noise must not be reproducible from a logged seed.
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def production_config(
     epochs: int | None,
     full_data: bool,
     tuning: TuningCost | None = None,
-    secure_mode: bool = True,
+    research_mode: bool = False,
 ) -> TrainConfig:
-    update: dict[str, Any] = {"tuning": tuning, "secure_mode": secure_mode}
+    update: dict[str, Any] = {"tuning": tuning, "research_mode": research_mode}
     if epochs is not None:
         update["epochs"] = epochs
     if full_data and config.data.dataset == "cifar10":
@@ -158,7 +158,7 @@ def export_configs(
     epsilon: float | None = None,
     epochs: int | None = None,
     full_data: bool = True,
-    secure_mode: bool = True,
+    research_mode: bool = False,
 ) -> list[tuple[dict[str, Any], TrainConfig]]:
     """Picked trials per (optimizer, epsilon) group, with their production configs.
 
@@ -183,7 +183,7 @@ def export_configs(
                 epochs=epochs,
                 full_data=full_data,
                 tuning=tuning_cost(storage, row["group"], departs),
-                secure_mode=secure_mode,
+                research_mode=research_mode,
             )
             picked.append((row.to_dict(), config))
     return picked

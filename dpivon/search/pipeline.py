@@ -38,6 +38,7 @@ shown or described)::
     seed: 0                          # data split, training and Optuna seed; in [0, 2**32)
                                      # (not the random sampler's where the random-trials
                                      # bound holds)
+    research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
@@ -61,7 +62,7 @@ one :class:`~dpivon.errors.DpivonError` line naming the file and the key. That i
 ``delta < 1/N`` for the N training images, that the largest batch size of every space fits
 the training set, that neither ``train`` nor a space sets a key the pipeline owns (the keys
 :meth:`Pipeline.owned_settings` builds for every trial: data, model, epochs, optimizer,
-epsilon, delta, accountant, validation noise, seed, secure mode) and ``train`` repeats none
+epsilon, delta, accountant, validation noise, seed, research mode) and ``train`` repeats none
 a space samples, that every epsilon is reachable (at least the accountant's floor with the
 most noise, at most 1000), and that every trial the spaces can produce (bounds and choices)
 is a valid TrainConfig with this pipeline's settings.
@@ -97,7 +98,7 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Bound, Count, Float, Int, Probability
+from dpivon.constraints import Bool, Bound, Count, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZERS, OptimizerName
 from dpivon.privacy.accounting import check_delta, check_plan_reachable
@@ -230,6 +231,9 @@ class RunFile(_Strict):
     tracking_uri: str | None = None
     experiment: str = ""
     storage_path: str = Field("dpivon-runs", min_length=1)
+    # true: every run's noise and sampling follow its seed (reproducible, no DP guarantee for
+    # anything released); false: secure noise (dpivon.privacy.noise)
+    research_mode: Bool = False
     train: dict[str, Any] = Field(default_factory=dict)  # more TrainConfig keys for every run
 
     _path: Path | None = PrivateAttr(None)
@@ -288,7 +292,7 @@ class RunFile(_Strict):
 
     def shared_train_config(self, seed: int) -> dict[str, Any]:
         """The TrainConfig keys (flat) every run of this file starts from: its data (the
-        split from ``data.data_seed``, else ``seed``), model, epochs and accounting."""
+        split from ``data.data_seed``, else ``seed``), model, epochs, accounting and noise mode."""
         data = self.data.model_dump()
         data["data_seed"] = seed if self.data.data_seed is None else self.data.data_seed
         return {
@@ -297,6 +301,7 @@ class RunFile(_Strict):
             "epochs": self.epochs,
             "delta": self.delta,
             "accountant": self.accountant,
+            "research_mode": self.research_mode,
         }
 
     @field_validator("name")
@@ -536,10 +541,9 @@ class Pipeline(RunFile):
             "optimizer": optimizer,
             "epsilon": float(epsilon),
             "val_noise_multiplier": self.validation_noise,
-            # Each trial's training seed (and so its noise) is derived from the pipeline
-            # seed and the trial id: see dpivon.search.trial.
+            # Each trial's training seed (and in research mode its noise) is derived from
+            # the pipeline seed and the trial id: see dpivon.search.trial.
             "seed": self.seed,
-            "secure_mode": False,  # research runs: the noise follows the seed
         }
 
     def base_train_config(

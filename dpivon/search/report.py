@@ -31,6 +31,7 @@ from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.privacy.tuning import (
     TrialMechanism,
     candidate_mechanisms,
@@ -157,6 +158,9 @@ def tuning_privacy(
             report["total_epsilon"] = pipeline.total_epsilon
         if pipeline.selection_metric is not None:
             report["selected_by"] = pipeline.selection_metric
+        if pipeline.research_mode:
+            report["dp_guarantee"] = f"none: {RESEARCH_MODE_WARNING}"
+            report["quote"] = f"NO DP GUARANTEE ({RESEARCH_MODE_WARNING}). {report['quote']}"
         reports[group] = report
         private[group] = composition_facts(mechanisms, pipeline.delta)
     return reports, private
@@ -218,11 +222,15 @@ def _trials_cell(report: dict[str, Any]) -> str:
 
 
 def parent_description(
-    front: pd.DataFrame, objectives: list[tuple[str, str]], privacy: dict[str, dict[str, Any]]
+    front: pd.DataFrame,
+    objectives: list[tuple[str, str]],
+    privacy: dict[str, dict[str, Any]],
+    research_mode: bool = False,
 ) -> str:
     """The parent run's Markdown description: the released front rows and the epsilons to
     quote, within MLflow's tag length (rows that do not fit are left to the front's CSV).
-    A group whose trial count is private shows its distribution, not the count."""
+    A group whose trial count is private shows its distribution, not the count. In research
+    mode it opens by saying that no DP guarantee holds."""
     columns = [
         "optimizer",
         "epsilon",
@@ -230,7 +238,9 @@ def parent_description(
         *(metric for metric, _ in objectives),
         *(c for c in TEST_COLUMNS if c in front),
     ]
+    warning = [f"**No DP guarantee**: {RESEARCH_MODE_WARNING}.", ""] if research_mode else []
     header = [
+        *warning,
         "### Pareto fronts (validation; test scores of the members)",
         "",
         "| " + " | ".join(columns) + " |",
@@ -306,7 +316,7 @@ def report_sweep(
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
     tracker.log_changed_metrics(parent_run_id, metrics)
-    description = parent_description(released, objectives, privacy)
+    description = parent_description(released, objectives, privacy, pipeline.research_mode)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:

@@ -206,6 +206,19 @@ class SweepStorage:
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode("utf-8"))
 
+    def remove_files_named(self, folder: str, filename: str) -> int:
+        """Delete every file called ``filename`` anywhere under ``folder``; how many."""
+        selector = pafs.FileSelector(self._full(folder), allow_not_found=True, recursive=True)
+        with self._errors("clean", folder):
+            found = [
+                info.path
+                for info in self.filesystem.get_file_info(selector)
+                if info.type == pafs.FileType.File and info.base_name == filename
+            ]
+            for path in found:
+                self.filesystem.delete_file(path)
+        return len(found)
+
     def listdir(self, name: str = "") -> list[str]:
         """Names of the entries directly in ``name`` (sorted; empty when it is missing)."""
         selector = pafs.FileSelector(self._full(name), allow_not_found=True)

@@ -14,7 +14,9 @@ epsilons, each group's drawn trial count), the Tune experiment ``trials/`` (tria
 checkpoints, searcher state), ``tuning_private.json``, the final tables and plots. The
 state file, the Tune experiment and ``tuning_private.json`` are private, like the data.
 SIGINT or SIGTERM stop the sweep cleanly (trials keep their checkpoints, the parent run
-ends KILLED, exit 128 + signal); ``--resume`` finishes what was interrupted.
+ends KILLED, exit 128 + signal); ``--resume`` finishes what was interrupted. Once every
+trial has ended, their resume states (in secure mode the noise keys, as sensitive as the
+data) are deleted; the final checkpoints hold only models.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from dpivon.search.report import (
 )
 from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
 from dpivon.search.storage import SweepStorage
+from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking import Tracker
 from dpivon.training import load_data
 
@@ -487,6 +490,9 @@ def run_sweep(
                                 concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
+                # Every trial has ended and none resumes: their resume states (in secure
+                # mode the noise keys) must not outlive them in the sweep's folder.
+                storage.remove_files_named(TUNE_EXPERIMENT, RESUME_FILE)
             except SweepInterrupted:
                 _kill_open_trials(tracker, parent)
                 raise

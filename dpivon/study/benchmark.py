@@ -37,6 +37,7 @@ from dpivon.evaluation import evaluate
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.paths import check_writable_folder
+from dpivon.privacy.noise import noise_statement
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
 from dpivon.study.layout import (
@@ -388,6 +389,7 @@ def report_benchmark(
         f"accountant {pipeline.accountant}",
         f"seeds {pipeline.seeds}; {len(records)} of {len(pipeline.runs)} runs completed",
         f"MLflow: experiment `{tracker.experiment_name}`, parent run `{parent}`",
+        f"noise: {noise_statement(pipeline.research_mode)}",
     ]
     report = build_report(
         f"Benchmark {pipeline.name}",

@@ -24,6 +24,7 @@ shown)::
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-benchmark-quick   # default "dpivon-" + name
     storage_path: dpivon-runs        # the state folder <storage_path>/<name>/ and the report
+    research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every run
 
 A method with ``from_sweep`` (a sweep folder, pipeline file or name, as ``dpivon export``
@@ -33,9 +34,10 @@ model, epochs, privacy settings and seed replace the sweep's, ``train`` keys go 
 Every tuned method must come from sweeps that ran the same number of trials per group:
 a method tuned with more trials would win by budget, not by merit.
 
-Each run's training seed is derived from (seed, method, epsilon), so no two runs share DP
-noise; the split is shared, so the seeds' spread is that of training (initialisation,
-batches, noise, posterior draws), not of the data.
+Each run's training seed is derived from (seed, method, epsilon), so in research mode no
+two runs share DP noise (secure noise, the default, is never shared); the split is shared,
+so the seeds' spread is that of training (initialisation, batches, noise, posterior
+draws), not of the data.
 """
 
 from __future__ import annotations
@@ -236,8 +238,6 @@ class BenchmarkPipeline(RunFile):
             "optimizer": method.optimizer,
             "epsilon": float(epsilon),
             "seed": trial_seed(replicate, f"{method.name}@{epsilon!r}"),
-            # research runs, reproducible by seed; a release would use secure mode
-            "secure_mode": False,
         }
         return config
 
@@ -268,7 +268,6 @@ def _tuned_configs(
                 optimizer=method.optimizer,
                 epsilon=eps,
                 full_data=False,
-                secure_mode=False,
             )
         except DpivonError as err:
             raise DpivonError(f"{prefix}: group {group}: {err}") from None

@@ -1,0 +1,187 @@
+"""Secure noise (dpivon.privacy.noise): what a released model's noise is drawn from.
+
+A ChaCha20 stream keyed with 256 bits from the OS draws the DP noise and the Poisson masks
+on every device; the statistics are checked on 10^6 draws, runs are independent, nothing
+logged or exported holds the key, and the 32-bit collision of the old torch-seeded secure
+mode is gone. Research mode stays reproducible from its seed, and says so.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from typer.testing import CliRunner
+
+from dpivon.cli import app
+from dpivon.config import parse_config
+from dpivon.privacy.noise import (
+    DEFENCE_DRAWS,
+    KEY_BYTES,
+    NOISE_TAG,
+    SecureRandomness,
+    SeededRandomness,
+    gaussian_noise,
+)
+from dpivon.training import build_training, load_data, train_step
+
+CPU = torch.device("cpu")
+runner = CliRunner()
+MILLION = 10**6
+SMALL = {
+    "dataset": "synthetic",
+    "synthetic_size": 330,
+    "val_size": 30,
+    "model": "small-cnn",
+    "epochs": 1,
+    "batch_size": 30,
+    "bma_samples": 0,
+    "optimizer": "dp-sgd",
+}
+
+
+def test_secure_uniforms_and_gaussians_pass_ks_on_a_million_draws():
+    randomness = SecureRandomness()
+    uniforms = randomness.uniform(MILLION, CPU)
+    assert uniforms.dtype == torch.float64 and uniforms.min() >= 0 and uniforms.max() < 1
+    assert stats.kstest(uniforms.numpy(), "uniform").pvalue > 1e-3
+    gaussians = randomness.normal(MILLION, CPU)
+    assert gaussians.dtype == torch.float64
+    assert stats.kstest(gaussians.numpy(), "norm").pvalue > 1e-3
+    # The DP noise itself: four draws summed and halved (the floating-point defence) keep
+    # N(0, std^2); float64 until the cast.
+    noise = gaussian_noise(randomness, 0.7, MILLION, CPU, torch.float64)
+    assert stats.kstest(noise.numpy() / 0.7, "norm").pvalue > 1e-3
+    # The control: a KS test of this size sees a 1% error in the std.
+    assert stats.kstest(noise.numpy() / 0.7 * 1.01, "norm").pvalue < 1e-3
+
+
+def test_the_noise_sums_four_draws_of_the_stream():
+    key = bytes(range(KEY_BYTES))
+    noise = gaussian_noise(SecureRandomness(key), 2.0, 5, CPU, torch.float64)
+    draws = SecureRandomness(key).normal(DEFENCE_DRAWS * 5, CPU).view(DEFENCE_DRAWS, 5)
+    torch.testing.assert_close(noise, draws.sum(0) * 2.0 / 2, rtol=0, atol=1e-12)
+
+
+def test_runs_are_independent_and_keys_come_from_the_os(monkeypatch):
+    first, second = SecureRandomness().normal(MILLION, CPU), SecureRandomness().normal(MILLION, CPU)
+    assert abs(float(np.corrcoef(first.numpy(), second.numpy())[0, 1])) < 0.005
+    asked = []
+    import dpivon.privacy.noise as noise
+
+    real = noise.os.urandom
+    monkeypatch.setattr(noise.os, "urandom", lambda n: asked.append(n) or real(n))
+    SecureRandomness()
+    assert asked == [KEY_BYTES]  # 256 bits of OS entropy per run
+
+
+def test_the_old_32_bit_seed_collision_is_gone():
+    """torch's CPU generator keeps 32 bits of a seed (what secure mode used to rely on):
+    seeds s and s & 0xffffffff drew the same noise. Keys that differ anywhere do not."""
+    s = 7_301_999_123_456_789
+    old = [torch.randn(8, generator=torch.Generator().manual_seed(v)) for v in (s, s & 0xFFFFFFFF)]
+    assert torch.equal(*old)  # the collision this test guards against
+    key = s.to_bytes(KEY_BYTES, "big")
+    low = (s & 0xFFFFFFFF).to_bytes(KEY_BYTES, "big")
+    flipped = bytes([key[0] ^ 1]) + key[1:]  # one bit of the highest byte
+    draws = [SecureRandomness(k).normal(8, CPU) for k in (key, low, flipped)]
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_the_stream_resumes_from_its_state_instead_of_replaying():
+    randomness = SecureRandomness()
+    first = randomness.uniform(100, CPU)
+    buffer = io.BytesIO()
+    torch.save(randomness.state_dict(), buffer)  # as a resume checkpoint stores it
+    expected = randomness.uniform(100, CPU)
+    buffer.seek(0)
+    resumed = SecureRandomness()
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(resumed.uniform(100, CPU), expected)
+    assert not torch.equal(first, expected)
+
+
+def noise_of_an_empty_batch(setup) -> torch.Tensor:
+    """The privatised gradient of an empty Poisson batch: the DP noise / b alone."""
+    x, y = next(iter(setup.loader))
+    train_step(setup, x[:0], y[:0], mc_samples=1)
+    return torch.cat([p.grad.flatten() for p in setup.model.parameters()])
+
+
+def test_a_private_run_is_secure_by_default_and_research_mode_follows_the_seed(one_thread):
+    config = parse_config({**SMALL, "seed": 5})
+    data = load_data(config)
+    assert config.privacy.research_mode is False
+    setup = build_training(config, data, CPU)
+    assert isinstance(setup.randomness, SecureRandomness)
+    assert setup.private.loader.randomness is setup.randomness  # the Poisson mask too
+    assert setup.optimizer.secure_mode  # the floating-point defence is on
+    secure = noise_of_an_empty_batch(setup)
+    assert secure.std().item() == pytest.approx(setup.private.plan.grad_noise_std, rel=0.05)
+    research = config.replace(research_mode=True)
+    first, second = (build_training(research, data, CPU) for _ in range(2))
+    assert isinstance(first.randomness, SeededRandomness)
+    # The control: research noise is the seed's, the same in every run with that seed.
+    seeded = noise_of_an_empty_batch(first)
+    assert torch.equal(seeded, noise_of_an_empty_batch(second))
+    assert abs(float(np.corrcoef(secure.numpy(), seeded.numpy())[0, 1])) < 0.05
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_no_key_in_anything_train_logs_or_prints(tmp_path, monkeypatch):
+    """`dpivon train` (secure by default) logs its model: the key from the OS appears in no
+    param, tag, metric, artifact, model file or output. (What research mode's models say:
+    tests/test_sweep.py.)"""
+    key = bytes(range(101, 101 + KEY_BYTES))  # what the patched OS entropy source returns
+    import dpivon.privacy.noise as noise
+
+    monkeypatch.setattr(noise, "os_key", lambda: key)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    flags = ["train", "--dataset", "synthetic", "--set", "synthetic_size=330", "--set",
+             "val_size=30", "--model", "small-cnn", "--optimizer", "dp-sgd", "--epochs", "1",
+             "--batch-size", "30", "--bma-samples", "0", "--tracking-uri", uri]  # fmt: skip
+    secure = runner.invoke(app, [*flags, "--json", str(tmp_path / "out.json")])
+    assert secure.exit_code == 0, secure.output
+
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
+    assert run.data.params["research_mode"] == "False"
+    assert run.data.tags[NOISE_TAG].startswith("secure")
+    files = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path / "model"),
+            tracking_uri=uri,
+        )
+    ).rglob("*")  # fmt: skip
+    blobs = [p.read_bytes() for p in files if p.is_file()]
+    assert any(b"checkpoint" in blob or len(blob) > 10_000 for blob in blobs)  # the model
+    texts = [
+        json.dumps([run.data.params, run.data.tags, run.data.metrics]),
+        (tmp_path / "out.json").read_text(),
+        secure.output,
+    ]
+    for form in (key.hex(), str(list(key)), str(int.from_bytes(key, "big"))):
+        assert not any(form in text for text in texts)
+        assert not any(form.encode() in blob for blob in blobs)
+    assert not any(key in blob for blob in blobs)
+
+
+def test_an_older_config_s_secure_mode_leaves_the_noise_secure():
+    """Files from before the default changed hold secure_mode (false in most of them):
+    noise stays secure; only an explicit research_mode makes it reproducible."""
+    for older in ({"secure_mode": False}, {"privacy": {"secure_mode": True}}):
+        assert parse_config({**SMALL, **older}).privacy.research_mode is False
+    assert parse_config({**SMALL, "research_mode": True}).privacy.research_mode is True
