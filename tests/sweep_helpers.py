@@ -15,6 +15,13 @@ from dpivon.search.sweep import sweep_storage
 REPO = Path(__file__).resolve().parents[1]
 
 
+def shipped_run_files(benchmarks: bool) -> list[Path]:
+    """The shipped ``pipelines/*.yaml``: benchmark files (they list ``methods``) or sweep
+    pipelines."""
+    files = sorted((REPO / "pipelines").glob("*.yaml"))
+    return [p for p in files if ("methods" in yaml.safe_load(p.read_text())) == benchmarks]
+
+
 def write_pipeline(tmp_path: Path, name: str = "smoke", **overrides: Any) -> Path:
     """pipelines/smoke.yaml with its results and MLflow store under ``tmp_path``."""
     data = yaml.safe_load((REPO / "pipelines" / "smoke.yaml").read_text())

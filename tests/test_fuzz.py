@@ -31,6 +31,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from optuna.distributions import CategoricalDistribution
+from sweep_helpers import shipped_run_files
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -597,9 +598,8 @@ def test_found_a_flag_value_of_the_wrong_type_is_a_one_line_error(workdir):
 # -- structure-aware mutations of every shipped file -----------------------------------------
 
 SHIPPED_SPACES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
-SHIPPED_PIPELINES = sorted(p for p in (ROOT / "pipelines").glob("*.yaml")
-                           if not p.name.startswith("benchmark-"))  # fmt: skip
-SHIPPED_BENCHMARKS = sorted((ROOT / "pipelines").glob("benchmark-*.yaml"))
+SHIPPED_PIPELINES = shipped_run_files(benchmarks=False)
+SHIPPED_BENCHMARKS = shipped_run_files(benchmarks=True)
 SHIPPED = (
     *((load_search_space, p) for p in SHIPPED_SPACES),
     *((load_pipeline, p) for p in SHIPPED_PIPELINES),

@@ -12,6 +12,7 @@ import optuna
 import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from sweep_helpers import shipped_run_files
 
 from dpivon.config import FLAT_KEYS, parse_config
 from dpivon.errors import DpivonError
@@ -20,11 +21,9 @@ from dpivon.search.space import SearchSpace, load_search_space
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted((ROOT / "search_spaces").rglob("*.yaml"))
-# Sweep pipelines; benchmark-*.yaml are `dpivon benchmark` pipelines (their own test below).
-PIPELINE_FILES = sorted(
-    p for p in (ROOT / "pipelines").glob("*.yaml") if not p.name.startswith("benchmark-")
-)
-BENCHMARK_FILES = sorted((ROOT / "pipelines").glob("benchmark-*.yaml"))
+# Sweep pipelines, and `dpivon benchmark` files (they list methods; their own test below).
+PIPELINE_FILES = shipped_run_files(benchmarks=False)
+BENCHMARK_FILES = shipped_run_files(benchmarks=True)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -501,7 +500,6 @@ def test_pipeline_api(tmp_path):
         "data_seed": 0,
         "seed": 0,
         "val_noise_multiplier": 0.0,
-        "secure_mode": False,
         "bma_samples": 2,
     }
     assert pipeline.data.train_size == 540
@@ -645,8 +643,8 @@ BAD_PIPELINES = {
     "train-owned-key": (_set("train", {"epochs": 3}), "epochs is a pipeline setting"),
     "train-owned-privacy-key": (_set("train", {"val_noise_multiplier": 0.05}), "val_noise"),
     "entry-train-owned-key": (
-        _set("optimizers.0.train", {"secure_mode": True}),
-        "optimizers.0.train: secure_mode is a pipeline setting",
+        _set("optimizers.0.train", {"research_mode": True}),
+        "optimizers.0.train: research_mode is a pipeline setting",
     ),
     "delta-above-one-over-n": (_set("delta", 0.01), "delta=0.01 is >= 1/N = 0.00185 for N=540"),
     "best-by-without-best": (_set("best_by", "val_ece"), "best_by applies to release: best"),
@@ -676,7 +674,7 @@ BAD_PIPELINES = {
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("val_noise_multiplier", 0.05), ("epsilon", 50.0), ("delta", 0.1), ("secure_mode", False),
+    [("val_noise_multiplier", 0.05), ("epsilon", 50.0), ("delta", 0.1), ("research_mode", True),
      ("seed", 7), ("epochs", {"type": "int", "low": 1, "high": 5}), ("data_seed", 3)],
 )  # fmt: skip
 def test_a_space_may_not_set_what_the_pipeline_owns(tmp_path, key, value):
@@ -769,7 +767,7 @@ def test_the_owned_keys_are_what_builds_a_trial_config(tmp_path):
     assert owned == set(pipeline.owned_settings("dp-sgd", 8.0)) <= set(FLAT_KEYS)
     base = pipeline.base_train_config("dp-sgd", 8)
     assert set(base) - owned == set(pipeline.train)  # the rest are the train extras
-    expected = {"val_noise_multiplier", "epsilon", "delta", "secure_mode", "seed", "data_seed"}
+    expected = {"val_noise_multiplier", "epsilon", "delta", "research_mode", "seed", "data_seed"}
     assert expected <= owned
 
 
