@@ -24,6 +24,7 @@ from typer._click import exceptions as click_errors  # typer 0.29 vendors its cl
 from dpivon.config import field_info, load_configs, parse_assignments, parse_config
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.process import configure_process
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -211,14 +212,15 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
 def root() -> None:
     """dpivon: DP-IVON-Gradsq sweeps and benchmarks (see README.md)."""
     quiet_known_output()
+    configure_process()
 
 
 # `dpivon train`'s flags (scripts rely on these names); every other option: --set PATH=VALUE
 TRAIN_FLAGS = (
     "dataset", "data_path", "model", "optimizer", "epsilon", "delta", "accountant", "engine",
     "max_grad_norm", "epochs", "batch_size", "lr", "lr_schedule", "hess_init", "beta2",
-    "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "seed",
-    "secure_mode", "device",
+    "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "val_bma_samples",
+    "seed", "secure_mode", "device",
 )  # fmt: skip
 
 
@@ -236,10 +238,13 @@ def train(
     ] = None,
     experiment: Opt[str, typer.Option(help="MLflow experiment")] = "dpivon",
     log_model: Opt[bool, typer.Option(help="log the model (with posterior) to MLflow")] = True,
+    profile: Opt[
+        bool, typer.Option(help="print where the time went (and add profile_*_s to --json)")
+    ] = False,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.tracking import Tracker, log_training_result
-    from dpivon.training import check_fits, load_data
+    from dpivon.training import PhaseTimes, check_fits, load_data
     from dpivon.training import train as run_training
 
     overrides = config_values
@@ -255,13 +260,17 @@ def train(
                 f"[yellow]note:[/] {cfg.optimizer.name} is not private: --epsilon is ignored"
             )
     check_outputs(json_path, experiment)
-    datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
+    phases = [PhaseTimes() for _ in configs]
+    datasets = []
+    for cfg, times in zip(configs, phases, strict=True):  # bad data fails before any run
+        with times.phase("data"):
+            datasets.append(load_data(cfg))
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
-    for cfg, data in zip(configs, datasets, strict=True):
+    for cfg, data, times in zip(configs, datasets, phases, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
         with tracker.run(name, tags={"dpivon.kind": "train"}) as run_id:
             tracker.log_params(run_id, cfg.flat())
@@ -277,10 +286,16 @@ def train(
                 )
 
             with progress_bar(sys.stderr.isatty()) as on_step:
-                result = run_training(cfg, data=data, on_epoch_end=log_epoch, on_step=on_step)
-            log_training_result(tracker, run_id, result, with_model=log_model)
+                result = run_training(
+                    cfg, data=data, on_epoch_end=log_epoch, on_step=on_step, phases=times
+                )
+            with times.phase("logging"):
+                log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])
+        if profile:
+            summaries[-1].update({f"profile_{k}_s": v for k, v in times.seconds.items()})
+            _print_profile(times.seconds)
         if "epsilon_covers" in summaries[-1]:
             console.print(summaries[-1]["epsilon_covers"], highlight=False)
     if json_path is not None:
@@ -288,6 +303,18 @@ def train(
         payload = summaries[0] if len(summaries) == 1 else summaries
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+def _print_profile(seconds: dict[str, float]) -> None:
+    """The phases of one run (dpivon.training.PHASES) with their share of the run."""
+    total = sum(seconds.values())
+    table = Table(title="profile: where the run's time went")
+    for column in ("phase", "seconds", "share"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, value in seconds.items():
+        table.add_row(phase, f"{value:.2f}", f"{value / total:.1%}" if total else "-")
+    table.add_row("total", f"{total:.2f}", "100.0%")
+    Console().print(table)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
