@@ -231,7 +231,7 @@ def measure_evaluation_plan(model: nn.Module, device: torch.device) -> tuple[Eva
     return fastest, rates[fastest]
 
 
-_plans: dict[str, EvaluationPlan] = {}
+_plans: dict[tuple[Path, str], EvaluationPlan] = {}  # this process's plans, by cache
 
 
 def evaluation_plan(model: nn.Module, device: torch.device | None = None) -> EvaluationPlan:
@@ -240,18 +240,28 @@ def evaluation_plan(model: nn.Module, device: torch.device | None = None) -> Eva
     for every later process on this machine."""
     device = device or next(model.parameters()).device
     key = _plan_key(model, device)
-    if key in _plans:
-        return _plans[key]
     path = default_cache_dir() / PLAN_CACHE_FILE
+    if (path, key) in _plans:
+        return _plans[path, key]
     stored = _read_plans(path)
-    if key in stored:
-        _plans[key] = EvaluationPlan(**stored[key]["plan"])
-        return _plans[key]
-    plan, rate = measure_evaluation_plan(model, device)
-    stored[key] = {"plan": asdict(plan), "images_per_s": round(rate, 1)}
-    _write_plans(path, stored)
-    _plans[key] = plan
+    plan = _stored_plan(stored.get(key))
+    if plan is None:
+        plan, rate = measure_evaluation_plan(model, device)
+        stored[key] = {"plan": asdict(plan), "images_per_s": round(rate, 1)}
+        _write_plans(path, stored)
+    _plans[path, key] = plan
     return plan
+
+
+def _stored_plan(entry: object) -> EvaluationPlan | None:
+    """The plan a cache entry holds; None for a missing or malformed one."""
+    try:
+        plan = EvaluationPlan(**entry["plan"])  # type: ignore[index]
+    except (TypeError, KeyError):
+        return None
+    fields = (plan.batch_size, plan.draws_per_call)
+    valid = all(isinstance(v, int) and v >= 1 for v in fields)
+    return plan if valid and isinstance(plan.channels_last, bool) else None
 
 
 def _read_plans(path: Path) -> dict:
