@@ -172,7 +172,7 @@ def _softmax_of_draws(
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    return f"{platform.machine()}x{os.cpu_count()}"
 
 
 def _plan_key(model: nn.Module, device: torch.device) -> str:
@@ -204,7 +204,8 @@ def measure_evaluation_plan(model: nn.Module, device: torch.device) -> tuple[Eva
 
     Batch sizes ascend while they help (a slower size ends the format's search), for the
     contiguous and the channels-last layout with one draw per call, then more draws per call
-    at the best batch size; the whole measurement stops after about `MEASURE_BUDGET_S`.
+    at the best batch size; a candidate that would not finish within `MEASURE_BUDGET_S` at
+    the best rate so far is not tried.
     """
     gpu = device.type == "cuda"
     params = {name: p.detach() for name, p in model.named_parameters()}
@@ -214,7 +215,9 @@ def measure_evaluation_plan(model: nn.Module, device: torch.device) -> tuple[Eva
         for channels_last in (False, True):
             best = 0.0
             for batch_size in GPU_BATCH_SIZES if gpu else CPU_BATCH_SIZES:
-                if rates and time.perf_counter() > deadline:
+                # two calls of this size, at the best rate so far, must fit in the budget
+                left = deadline - time.perf_counter()
+                if rates and 2 * batch_size / max(rates.values()) > left:
                     break
                 plan = EvaluationPlan(batch_size, channels_last)
                 rates[plan] = _images_per_s(model, params, device, plan)
@@ -223,7 +226,8 @@ def measure_evaluation_plan(model: nn.Module, device: torch.device) -> tuple[Eva
                 best = rates[plan]
         loop = max(rates, key=rates.__getitem__)
         for draws in (GPU_DRAWS_PER_CALL if gpu else CPU_DRAWS_PER_CALL)[1:]:
-            if time.perf_counter() > deadline:
+            left = deadline - time.perf_counter()
+            if 2 * draws * loop.batch_size / rates[loop] > left:
                 break
             plan = EvaluationPlan(loop.batch_size, False, draws)
             rates[plan] = _images_per_s(model, params, device, plan)

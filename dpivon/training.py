@@ -39,10 +39,11 @@ from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
 # Steps between two measurements of DP-IVON's curvature_update_share (and the first step of
 # each epoch): it costs a second mean update per tensor, a tenth of DP-IVON's step.
 UPDATE_SHARE_EVERY = 10
-# Where a run's time goes (`dpivon train --profile`): drawing and moving batches (and, in
-# the CLI, loading the data), building model, optimizer and privacy plan, optimizer steps,
-# the per-epoch validation, the curvature diagnostics, resumable checkpoints, the epoch
-# callbacks' logging (MLflow in the CLI, Ray reports in trials) and the final test.
+# Where a run's time goes (`dpivon train --profile`): loading the data and drawing and
+# moving batches, building model, optimizer and privacy plan, optimizer steps, the
+# per-epoch validation, the curvature diagnostics, building resumable checkpoints, the
+# rest of the epoch callbacks (MLflow writes in the CLI, with the final ones; saving and
+# reporting checkpoints to Ray in trials) and the final test.
 PHASES = (
     "data", "setup", "train", "validation", "diagnostics", "checkpoint", "logging", "test",
 )  # fmt: skip
