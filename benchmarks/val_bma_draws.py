@@ -110,7 +110,8 @@ def main() -> None:
                     "accuracy_minus_16": values["accuracy"] - reference["accuracy"],
                 }
             )
-        console.print(f"epoch {report.epoch}: evaluated {len(metrics)} predictives")
+        shown = (f"{k}: acc {v['accuracy']:.4f} ece {v['ece']:.4f}" for k, v in metrics.items())
+        console.print(f"epoch {report.epoch}: " + ", ".join(shown), highlight=False)
 
     train(config, data=data, on_epoch_end=on_epoch_end, evaluate_test=False)
     sizes = f"{len(data.train)} training / {len(data.val)} validation images"
