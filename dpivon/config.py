@@ -180,7 +180,7 @@ class EvaluationConfig(Section):
     # posterior draws of IVON's BMA: the final test and the logged model
     bma_samples: Annotated[Int, Bound(ge=0)] = 16
     # the per-epoch validation (what the sweep's objectives and ASHA read); few draws: the
-    # validation ECE moves by less than 0.01 from 16 draws (README, Performance)
+    # validation ECE stayed within 0.01 of 16 draws (benchmarks/RESULTS.md)
     val_bma_samples: Annotated[Int, Bound(ge=0)] = 4
     ece_bins: Count = 15
     # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
