@@ -40,7 +40,7 @@ def _wide_posterior(model: torch.nn.Module) -> Posterior:
     return Posterior(hess, ess=300.0, weight_decay=1e-4)
 
 
-def test_batched_draws_and_channels_last_give_the_loops_predictive():
+def test_batched_draws_give_the_loops_predictive():
     """What the GPU path runs (several draws in one vmapped call) on the CPU: the same draws,
     the same sum, equal probabilities; also when the draws do not fill the last call."""
     torch.manual_seed(0)
@@ -73,6 +73,21 @@ def test_the_plan_is_measured_once_per_machine_and_read_back(tmp_path, monkeypat
     (elsewhere / PLAN_CACHE_FILE).write_text(json.dumps({key: entry}))
     monkeypatch.setenv("DPIVON_CACHE", str(elsewhere))
     assert evaluation_plan(model) == EvaluationPlan(7, True, 1)
+    # the channels-last layout changes how the predictive is computed, not its value
+    posterior, images = _wide_posterior(model), torch.randn(20, 3, 32, 32)
+
+    def bma():
+        generator = torch.Generator().manual_seed(3)
+        return predict_bma(model, posterior, images, 3, generator=generator)
+
+    channels_last = bma()
+    entry["plan"]["channels_last"] = False
+    contiguous_dir = tmp_path / "contiguous"
+    contiguous_dir.mkdir()
+    (contiguous_dir / PLAN_CACHE_FILE).write_text(json.dumps({key: entry}))
+    monkeypatch.setenv("DPIVON_CACHE", str(contiguous_dir))
+    assert evaluation_plan(model) == EvaluationPlan(7, False, 1)
+    torch.testing.assert_close(bma(), channels_last, rtol=1e-5, atol=1e-6)
 
 
 def test_validation_uses_val_bma_samples_and_the_test_bma_samples():
