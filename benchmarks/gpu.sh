@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# One short, prepared benchmark run for a lent GPU (about 10 minutes on one H200-class GPU).
+# One short, prepared benchmark run for a lent GPU (about 10 minutes on one H200-class GPU,
+# plus the trials: 12 `dpivon train` runs).
 #
 # Prints the step-time table of benchmarks/step_time.py (every private optimizer x engine
 # bk, hooks, functorch, ghost, against non-private Adam; tanh-cnn and wrn-16-4; batch 256
 # and 1024; peak memory from torch.cuda.max_memory_allocated) and the end-to-end time of
 # one CIFAR-10 epoch (data, training, validation and test evaluation) of tanh-cnn and
-# wrn-16-4, and writes all rows as JSON to $OUT/gpu.json.
+# wrn-16-4, and writes all rows as JSON to $OUT/gpu.json; then the whole-trial tables of
+# benchmarks/trial_time.py (`dpivon train` for adam, dp-adam and dp-ivon-gradsq, interleaved,
+# the per-phase split and the ratios to dp-adam) on the quickstart subset (4,000 images,
+# 2 epochs) and on full CIFAR-10 (1 epoch), as $OUT/trial-4k.json and $OUT/trial-full.json.
 #
 #   DPIVON_DATA=/path/to/cifar10-jpeg.tar.gz bash benchmarks/gpu.sh
 #
 # Knobs: PYTHON (default .venv/bin/python, else python), OUT (default benchmarks/out),
-# STEPS (timed rounds, default 10), WARMUP (default 3).
+# STEPS (timed rounds, default 10), WARMUP (default 3), REPEATS (trial rounds, default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,3 +40,9 @@ print('torch', torch.__version__, torch.cuda.get_device_name())"
     --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
     --epoch-dataset cifar10 --data-path "$DPIVON_DATA" --epoch-batch-size 256 \
     --json "$OUT/gpu.json"
+
+# Whole trials as users run them (the real `dpivon train`, default evaluation settings).
+"$PYTHON" benchmarks/trial_time.py --device cuda --per-class 400 --epochs 2 \
+    --repeats "${REPEATS:-2}" --data-path "$DPIVON_DATA" --json "$OUT/trial-4k.json"
+"$PYTHON" benchmarks/trial_time.py --device cuda --per-class 0 --epochs 1 \
+    --repeats "${REPEATS:-2}" --data-path "$DPIVON_DATA" --json "$OUT/trial-full.json"

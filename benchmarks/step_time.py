@@ -11,10 +11,10 @@ Peak memory is the most tensor memory one step holds at once beyond what existed
 (model, optimizer state, data), one separate step per configuration: on CUDA
 ``torch.cuda.max_memory_allocated`` minus the allocation before the step; on CPU the
 running sum of torch.profiler's allocation and free events (the RSS of a process holding
-many configurations says little, and tracemalloc does not see torch's allocations). On
-CPU glibc is told to keep freed memory for reuse (`keep_freed_memory`; ``--default-malloc``
-leaves it unmapping and trimming), so that no configuration's timing depends on the
-others'.
+many configurations says little, and tracemalloc does not see torch's allocations). The
+process runs with the settings every dpivon entry point applies (`dpivon.process`: glibc
+keeps freed memory for reuse), so the figures are those users get, and no configuration's
+timing depends on the others'.
 
 One epoch end to end (``--epoch-dataset``): `dpivon.training.train` for one epoch,
 including the data loading and the validation and test evaluation (BMA for the IVON
@@ -28,7 +28,6 @@ family), with the default engine.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import itertools
 import json
@@ -47,8 +46,17 @@ from dpivon import training
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.logs import quiet_known_output
+from dpivon.optim.ivon import DPIVON
 from dpivon.privacy.engine import plan_privacy
-from dpivon.training import build_training, load_data, resolve_device, seed_everything, train_step
+from dpivon.process import configure_process
+from dpivon.training import (
+    UPDATE_SHARE_EVERY,
+    build_training,
+    load_data,
+    resolve_device,
+    seed_everything,
+    train_step,
+)
 
 BASELINE = "adam"
 ENGINES = ("bk", "hooks", "functorch", "ghost")
@@ -86,6 +94,7 @@ class Run:
     setup: training.TrainingSetup
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     device: torch.device
+    steps: int = 0
 
 
 def build_run(
@@ -121,6 +130,9 @@ def timed_step(run: Run) -> float:
     per-sample gradients until its next step, and all configurations share the memory.
     """
     x, y = next(run.batches)
+    if isinstance(run.setup.ivon, DPIVON):  # its diagnostics as often as training logs them
+        run.setup.ivon.track_update_share = run.steps % UPDATE_SHARE_EVERY == 0
+    run.steps += 1
     synchronize(run.device)
     start = time.perf_counter()
     train_step(run.setup, x, y, run.config.optimizer.samples_per_step)
@@ -128,25 +140,6 @@ def timed_step(run: Run) -> float:
     elapsed = (time.perf_counter() - start) * 1000
     run.setup.optimizer.zero_grad()
     return elapsed
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of unmapping or trimming it.
-
-    By default tensors above 32 MB get their own mapping, unmapped when freed, and the
-    heap top is trimmed: the next step page-faults that memory back in and zeroes it.
-    With many configurations in one process, how often one of them pays that depends on
-    the others, so round-robin timings would depend on the set of configurations. With
-    glibc's defaults a training process pays the faults at every step (measured here: a
-    fifth to a quarter of a tanh-cnn step at batch 256, for Adam and bk alike); tcmalloc
-    or jemalloc avoid them, as this does.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def step_peak_memory_mb(run: Run) -> float:
@@ -313,6 +306,7 @@ def print_epoch_table(epochs: list[Row], console: Console) -> None:
 
 def main() -> None:
     quiet_known_output()
+    configure_process()  # what `dpivon train`, sweep trials and benchmark runs apply
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tanh-cnn", "wrn-16-4"])
     parser.add_argument(
@@ -324,9 +318,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument(
-        "--default-malloc", action="store_true", help="CPU: leave glibc's unmapping and trimming"
-    )
     parser.add_argument("--epoch-dataset", choices=["synthetic", "cifar10"], help="time an epoch")
     parser.add_argument(
         "--epoch-size", type=int, default=0, help="training images (0: all; synthetic 2000)"
@@ -337,8 +328,6 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     console = Console(width=120)
-    if device.type == "cpu" and not args.default_malloc:
-        console.print(f"glibc keeps freed memory (no per-step page faults): {keep_freed_memory()}")
 
     rows: list[Row] = []
     for model in args.models:

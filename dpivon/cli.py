@@ -31,6 +31,7 @@ from dpivon.config import (
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.paths import check_writable
+from dpivon.process import configure_process
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -252,14 +253,15 @@ def check_outputs(json_path: Path | None, experiment: str) -> None:
 def root() -> None:
     """dpivon: DP-IVON-Gradsq sweeps and benchmarks (see README.md)."""
     quiet_known_output()
+    configure_process()
 
 
 # `dpivon train`'s flags (scripts rely on these names); every other option: --set PATH=VALUE
 TRAIN_FLAGS = (
     "dataset", "data_path", "model", "optimizer", "epsilon", "delta", "accountant", "engine",
     "max_grad_norm", "epochs", "batch_size", "lr", "lr_schedule", "hess_init", "beta2",
-    "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "seed",
-    "research_mode", "device",
+    "weight_decay", "mc_samples", "per_class", "val_size", "bma_samples", "val_bma_samples",
+    "seed", "research_mode", "device",
 )  # fmt: skip
 
 
@@ -288,6 +290,9 @@ def train(
             "resume from it in the same MLflow run (as sensitive as the training data)"
         ),
     ] = None,
+    profile: Opt[
+        bool, typer.Option(help="print where the time went (and add profile_*_s to --json)")
+    ] = False,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.privacy.accounting import check_plan_reachable
@@ -295,6 +300,7 @@ def train(
     from dpivon.training import (
         NOT_COVERED_METRICS,
         EpochCheckpoint,
+        PhaseTimes,
         check_fits,
         load_data,
         released_metrics,
@@ -314,13 +320,17 @@ def train(
     if checkpoint is not None and len(configs) > 1:
         raise DpivonError(f"--checkpoint takes one config; {config} holds {len(configs)}")
     saved = EpochCheckpoint(checkpoint, configs[0]) if checkpoint is not None else None
-    datasets = [load_data(cfg) for cfg in configs]  # bad data input fails before any run
+    phases = [PhaseTimes() for _ in configs]
+    datasets = []
+    for cfg, times in zip(configs, phases, strict=True):  # bad data fails before any run
+        with times.phase("data"):
+            datasets.append(load_data(cfg))
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
-    for cfg, data in zip(configs, datasets, strict=True):
+    for cfg, data, times in zip(configs, datasets, phases, strict=True):
         name = f"{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
         tags = {"dpivon.kind": "train"}
         if cfg.is_private and log_train_loss:
@@ -358,10 +368,15 @@ def train(
                     on_epoch_end=log_epoch,
                     on_step=on_step,
                     resume_state=saved.state if saved is not None else None,
+                    phases=times,
                 )
-            log_training_result(tracker, run_id, result, with_model=log_model)
+            with times.phase("logging"):
+                log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
         _print_summary(summaries[-1])
+        if profile:
+            summaries[-1].update({f"profile_{k}_s": v for k, v in times.seconds.items()})
+            _print_profile(times.seconds)
         if "epsilon_covers" in summaries[-1]:
             console.print(summaries[-1]["epsilon_covers"], highlight=False)
     if json_path is not None:
@@ -369,6 +384,18 @@ def train(
         payload = summaries[0] if len(summaries) == 1 else summaries
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+def _print_profile(seconds: dict[str, float]) -> None:
+    """The phases of one run (dpivon.training.PHASES) with their share of the run."""
+    total = sum(seconds.values())
+    table = Table(title="profile: where the run's time went")
+    for column in ("phase", "seconds", "share"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, value in seconds.items():
+        table.add_row(phase, f"{value:.2f}", f"{value / total:.1%}" if total else "-")
+    table.add_row("total", f"{total:.2f}", "100.0%")
+    Console().print(table)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate
 from dpivon.metrics import ReliabilityDiagram, private_validation_scores, reliability_diagram
 from dpivon.models import build_model
-from dpivon.optim.ivon import IVON
+from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
 from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
 from dpivon.privacy.noise import (
@@ -54,6 +55,52 @@ def parameters_finite(model: nn.Module) -> bool:
     """Divergence as a private run may see it: from the parameters (post-processing of the
     privatised gradients), never from the raw batch loss, which is not DP."""
     return bool(torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all())
+
+
+# Steps between two measurements of DP-IVON's curvature_update_share (and the first step of
+# each epoch): it costs a second mean update per tensor, a tenth of DP-IVON's step.
+UPDATE_SHARE_EVERY = 10
+# Where a run's time goes (`dpivon train --profile`): loading the data and drawing and
+# moving batches, building model, optimizer and privacy plan, optimizer steps, the
+# per-epoch validation, the curvature diagnostics, building resumable checkpoints, the
+# rest of the epoch callbacks (MLflow writes in the CLI, with the final ones; saving and
+# reporting checkpoints to Ray in trials) and the final test.
+PHASES = (
+    "data", "setup", "train", "validation", "diagnostics", "checkpoint", "logging", "test",
+)  # fmt: skip
+
+
+class PhaseTimes:
+    """Seconds spent in each of `PHASES`; on CUDA a phase ends when the device is done."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.device: torch.device | None = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] += time.perf_counter() - start
+
+
+def timed_batches(
+    loader: Iterable, device: torch.device, phases: PhaseTimes
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The loader's batches on ``device``; drawing and moving them counts as "data"."""
+    batches = iter(loader)
+    while True:
+        with phases.phase("data"):
+            batch = next(batches, None)
+            if batch is not None:
+                x, y = (t.to(device) for t in batch)
+        if batch is None:
+            return
+        yield x, y
 
 
 class TrainingDiverged(DpivonError):
@@ -103,6 +150,7 @@ class TrainResult:
     wall_time_s: float
     extra: dict[str, float] = field(default_factory=dict)
     engine: str | None = None  # the clipping engine ``auto`` resolved to (private runs)
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
     def summary(self) -> dict[str, float | int | str | None]:
         """Flat, JSON-ready record of the run (the ``--json`` output)."""
@@ -435,12 +483,14 @@ def _posterior(setup: TrainingSetup) -> Posterior | None:
     return Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
 
 
-def _evaluate(config: TrainConfig, setup: TrainingSetup, dataset, posterior) -> Evaluation:
+def _evaluate(
+    config: TrainConfig, setup: TrainingSetup, dataset, posterior, bma_samples: int
+) -> Evaluation:
     return evaluate(
         setup.model,
         dataset,
         posterior=posterior,
-        bma_samples=config.evaluation.bma_samples,
+        bma_samples=bma_samples,
         n_bins=config.evaluation.ece_bins,
         seed=config.runtime.seed,
     )
@@ -465,17 +515,28 @@ def train(
     resume_state: dict | None = None,
     evaluate_test: bool = True,
     on_step: StepCallback | None = None,
+    phases: PhaseTimes | None = None,
 ) -> TrainResult:
-    """Train ``config`` and evaluate it; see the module docstring for the pipeline."""
+    """Train ``config`` and evaluate it; see the module docstring for the pipeline.
+    ``phases`` (a fresh one if None) accumulates the seconds of each phase."""
     started = time.perf_counter()
+    phases = phases if phases is not None else PhaseTimes()
     seed_everything(config.runtime.seed)
     device = resolve_device(config.runtime.device)
-    data = data if data is not None else load_data(config)
-    setup = build_training(config, data, device)
-    scheduler = _lr_scheduler(config, setup)
-    first_epoch, history = 0, []
-    if resume_state is not None:
-        first_epoch, history = _restore(resume_state, setup, scheduler)
+    phases.device = device
+    with phases.phase("data"):
+        data = data if data is not None else load_data(config)
+    with phases.phase("setup"):
+        setup = build_training(config, data, device)
+        scheduler = _lr_scheduler(config, setup)
+        first_epoch, history = 0, []
+        if resume_state is not None:
+            first_epoch, history = _restore(resume_state, setup, scheduler)
+    dp_ivon = setup.ivon if isinstance(setup.ivon, DPIVON) else None
+
+    def checkpoint(epoch: int) -> dict:
+        with phases.phase("checkpoint"):
+            return _checkpoint_state(epoch, setup, scheduler, history)
     posterior = None
     val: dict[str, float] | None = None
 
@@ -489,8 +550,11 @@ def train(
     for epoch in range(first_epoch + 1, config.training.epochs + 1):
         setup.trained_module.train()
         losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
-        for x, y in setup.loader:
-            loss = train_step(setup, x.to(device), y.to(device), config.optimizer.samples_per_step)
+        for step, (x, y) in enumerate(timed_batches(setup.loader, device, phases)):
+            if dp_ivon is not None:
+                dp_ivon.track_update_share = step % UPDATE_SHARE_EVERY == 0
+            with phases.phase("train"):
+                loss = train_step(setup, x, y, config.optimizer.samples_per_step)
             if not parameters_finite(setup.model):
                 plan = setup.private.plan if setup.private is not None else None
                 raise TrainingDiverged(
@@ -511,7 +575,11 @@ def train(
             report_step(f"epoch {epoch}")
 
         posterior = _posterior(setup)
-        val = _validation_scores(config, setup, _evaluate(config, setup, data.val, posterior))
+        with phases.phase("validation"):
+            val_eval = _evaluate(
+                config, setup, data.val, posterior, config.evaluation.val_bma_samples
+            )
+            val = _validation_scores(config, setup, val_eval)
         metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
         metrics.update({f"val_{k}": v for k, v in val.items()})
         if setup.private is not None:
@@ -523,30 +591,35 @@ def train(
                 steps=setup.private.steps_taken,
             )
         if setup.ivon is not None:
-            metrics.update(setup.ivon.curvature_diagnostics())
-            # per-step diagnostics (projected_fraction, curvature_update_share) as epoch
-            # means rather than the last step's values
-            last = step_diagnostics[-1] if step_diagnostics else {}
-            metrics.update({k: float(np.mean([d[k] for d in step_diagnostics])) for k in last})
+            with phases.phase("diagnostics"):
+                metrics.update(setup.ivon.curvature_diagnostics())
+                # per-step diagnostics (projected_fraction, curvature_update_share) as
+                # means over the epoch's steps that computed them, not the last step's
+                keys = dict.fromkeys(k for d in step_diagnostics for k in d)
+                metrics.update(
+                    {k: float(np.mean([d[k] for d in step_diagnostics if k in d])) for k in keys}
+                )
         history.append(metrics)
         report_step(f"epoch {epoch} val acc {val['accuracy']:.3f}")
         if on_epoch_end is not None:
-            on_epoch_end(
-                EpochReport(
-                    epoch,
-                    metrics,
-                    lambda e=epoch: _checkpoint_state(e, setup, scheduler, history),
-                )
-            )
+            checkpoint_s = phases.seconds["checkpoint"]
+            with phases.phase("logging"):
+                on_epoch_end(EpochReport(epoch, metrics, lambda e=epoch: checkpoint(e)))
+            # a checkpoint the callback built is a phase of its own
+            phases.seconds["logging"] -= phases.seconds["checkpoint"] - checkpoint_s
 
     if val is None:  # resumed after the last epoch: the scores that epoch released
         posterior = _posterior(setup)
         val = {k.removeprefix("val_"): v for k, v in history[-1].items() if k.startswith("val_")}
     test, diagram = None, None
     if evaluate_test:
-        test_eval = _evaluate(config, setup, data.test, posterior)
-        test = test_eval.metrics
-        diagram = reliability_diagram(test_eval.probs, test_eval.labels, config.evaluation.ece_bins)
+        with phases.phase("test"):
+            samples = config.evaluation.bma_samples
+            test_eval = _evaluate(config, setup, data.test, posterior, samples)
+            test = test_eval.metrics
+            diagram = reliability_diagram(
+                test_eval.probs, test_eval.labels, config.evaluation.ece_bins
+            )
     private = setup.private
     return TrainResult(
         config=config,
@@ -561,4 +634,5 @@ def train(
         posterior=posterior,
         wall_time_s=time.perf_counter() - started,
         engine=private.engine if private else None,
+        phases=phases,
     )

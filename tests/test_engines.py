@@ -276,7 +276,13 @@ def test_bma_is_one_forward_pass_per_sample_and_the_same_draws():
     calls = []
     handle = model.register_forward_hook(lambda *_: calls.append(1))
     bma = predict_bma(
-        model, posterior, images, 3, generator=torch.Generator().manual_seed(1), batch_size=20
+        model,
+        posterior,
+        images,
+        3,
+        generator=torch.Generator().manual_seed(1),
+        batch_size=20,
+        draws_per_call=1,  # one draw after another (the CPU's plan; GPUs batch draws)
     )
     handle.remove()
     assert len(calls) == 3 * 3  # 3 draws x 3 batches, no other forward

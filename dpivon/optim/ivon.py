@@ -501,7 +501,9 @@ class DPIVON(IVON):
     - ``curvature_update_share``: ||step - step_0|| / ||step|| for the last step, step_0 the
       same update with h = hess_init everywhere (with rescale_lr, momentum SGD at lr). 0 when
       curvature changes nothing; it exceeds 1 when a grown h shrinks the step below half of
-      step_0. Training reports its epoch mean.
+      step_0. It costs a second mean update per tensor, so it is computed only for steps
+      with ``track_update_share`` set (NaN for the others): training sets it on every tenth
+      step and reports the mean of those.
     - ``clamped_noise_share_median``: median over coordinates of `clamped_noise_share`, the
       share of h that the per-step estimator's clamped noise alone would produce.
     - ``grad_snr_median``: median over parameter tensors of `gradient_snr`, mean(g^2) / s^2
@@ -546,6 +548,7 @@ class DPIVON(IVON):
         self.curvature_pool = curvature_pool
         self.projected_fraction = 0.0
         self.curvature_update_share = 0.0
+        self.track_update_share = True  # compute curvature_update_share in the next step
         self._update_norms: list[Tensor] = []
         if curvature_estimator == "ema-corrected":
             for _, p in self._params():
@@ -553,7 +556,10 @@ class DPIVON(IVON):
 
     @property
     def step_diagnostics(self) -> dict[str, float]:
-        """The diagnostics of the last step alone (training averages them over an epoch)."""
+        """The diagnostics of the last step alone (training averages them over an epoch);
+        ``curvature_update_share`` only when that step tracked it."""
+        if math.isnan(self.curvature_update_share):
+            return {"projected_fraction": self.projected_fraction}
         return {
             "projected_fraction": self.projected_fraction,
             "curvature_update_share": self.curvature_update_share,
@@ -625,8 +631,11 @@ class DPIVON(IVON):
         self.projected_fraction = float(projected) / total if total else 0.0
 
     def _update_parameter(self, group: dict, p: Tensor, lr: float, debias: float) -> None:
-        """IVON's update, plus the squared norms of the step and of its difference to the
-        step with h = hess_init (for ``curvature_update_share``)."""
+        """IVON's update, plus (when tracked) the squared norms of the step and of its
+        difference to the step with h = hess_init (for ``curvature_update_share``)."""
+        if not self.track_update_share:
+            super()._update_parameter(group, p, lr, debias)
+            return
         mean = p.clone()
         super()._update_parameter(group, p, lr, debias)
         reference = mean_update(
@@ -646,8 +655,10 @@ class DPIVON(IVON):
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         self._update_norms = []
         loss = super().step(closure)
-        step_sq, difference_sq = torch.stack(self._update_norms).sum(dim=0).tolist()
-        self.curvature_update_share = math.sqrt(difference_sq / step_sq) if step_sq else 0.0
+        self.curvature_update_share = math.nan
+        if self.track_update_share:
+            step_sq, difference_sq = torch.stack(self._update_norms).sum(dim=0).tolist()
+            self.curvature_update_share = math.sqrt(difference_sq / step_sq) if step_sq else 0.0
         self._update_norms = []
         return loss
 
@@ -669,7 +680,8 @@ class DPIVON(IVON):
         )
         return {
             **super().curvature_diagnostics(),
-            **self.step_diagnostics,
+            "projected_fraction": self.projected_fraction,
+            "curvature_update_share": self.curvature_update_share,  # NaN: not tracked
             "clamped_noise_share_median": noise_share.median().item(),
             "grad_snr_median": snr.median().item(),
         }

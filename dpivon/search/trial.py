@@ -22,6 +22,7 @@ from ray import tune
 from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.logs import quiet_known_output
+from dpivon.process import configure_process
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.tracking import save_checkpoint
@@ -71,6 +72,7 @@ def run_trial(
 ) -> None:
     """Ray Tune function trainable: ``params`` is what OptunaSearch drew."""
     quiet_known_output()  # a Ray worker is an entry point of its own
+    configure_process()
     torch.set_num_threads(max(1, threads))
     config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
     node = {"node_id": ray.get_runtime_context().get_node_id()}

@@ -38,6 +38,7 @@ from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.paths import check_writable_folder
 from dpivon.privacy.noise import noise_statement
+from dpivon.process import configure_process
 from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
 from dpivon.study.layout import (
@@ -137,6 +138,7 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
 def run_one(config: TrainConfig, data: DataSplits, threads: int) -> TrainResult:
     """Body of the Ray task: train, test, temperature-scale; the model returns on the CPU."""
     quiet_known_output()  # a Ray worker is an entry point of its own
+    configure_process()
     torch.set_num_threads(max(1, threads))
     return score_on_test(train(config, data=data, evaluate_test=False), data)
 
