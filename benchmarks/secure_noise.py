@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from step_time import build_run, keep_freed_memory, synchronize, synthetic_data, timed_step
+from step_time import (
+    build_run,
+    keep_freed_memory,
+    round_robin_medians,
+    synchronize,
+    synthetic_data,
+)
 
 from dpivon.logs import quiet_known_output
 from dpivon.privacy.noise import SecureRandomness, SeededRandomness, gaussian_noise
@@ -72,14 +78,7 @@ def main() -> None:
         for optimizer in args.optimizers
         for mode, research in MODES.items()
     }
-    for run in runs.values():
-        for _ in range(args.warmup):
-            timed_step(run)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    for _ in range(args.steps):
-        for key, run in runs.items():
-            times[key].append(timed_step(run))
-    ms = {key: statistics.median(t) for key, t in times.items()}
+    ms = round_robin_medians(runs, args.warmup, args.steps)
 
     coordinates = sum(p.numel() for p in next(iter(runs.values())).setup.model.parameters())
     examples = len(data.train)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -123,6 +124,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def round_robin_medians(runs: dict[Any, Run], warmup: int, steps: int) -> dict[Any, float]:
+    """Median ms per step of each run, the runs stepped in turn so that a change of the
+    machine's load reaches all of them alike."""
+    for run in runs.values():
+        for _ in range(warmup):
+            timed_step(run)
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(steps):
+        for key, run in runs.items():
+            times[key].append(timed_step(run))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def timed_step(run: Run) -> float:
     """Milliseconds of one train_step (batch drawn before the clock starts).
 
@@ -181,15 +195,8 @@ def measure_steps(args: argparse.Namespace, model: str, batch_size: int, device)
         (opt, engine) for opt in args.optimizers for engine in args.engines
     ]
     runs = {key: build_run(*key, model, batch_size, data, device) for key in configs}
-    for run in runs.values():
-        for _ in range(args.warmup):
-            timed_step(run)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    for _ in range(args.steps):
-        for key, run in runs.items():
-            times[key].append(timed_step(run))
+    ms = round_robin_medians(runs, args.warmup, args.steps)
     memory = {key: step_peak_memory_mb(run) for key, run in runs.items()}
-    ms = {key: statistics.median(t) for key, t in times.items()}
     base = (BASELINE, "none")
     rows = []
     for (optimizer, engine), value in ms.items():

@@ -290,15 +290,20 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
     check_batch(config, n_train)
     resolve_device(config.runtime.device)
     if config.is_private:
-        plan_privacy(
-            target_epsilon=config.privacy.epsilon,
-            delta=config.privacy.delta,
-            max_grad_norm=config.privacy.max_grad_norm,
-            accountant=config.privacy.accountant,
-            dataset_size=n_train,
-            batch_size=config.training.batch_size,
-            epochs=config.training.epochs,
-        )
+        privacy_plan(config, n_train)
+
+
+def privacy_plan(config: TrainConfig, n_train: int) -> PrivacyPlan:
+    """The noise and sampling that spend ``config``'s budget over ``n_train`` records."""
+    return plan_privacy(
+        target_epsilon=config.privacy.epsilon,
+        delta=config.privacy.delta,
+        max_grad_norm=config.privacy.max_grad_norm,
+        accountant=config.privacy.accountant,
+        dataset_size=n_train,
+        batch_size=config.training.batch_size,
+        epochs=config.training.epochs,
+    )
 
 
 def build_training(config: TrainConfig, data: DataSplits, device: torch.device) -> TrainingSetup:
@@ -309,15 +314,7 @@ def build_training(config: TrainConfig, data: DataSplits, device: torch.device) 
     model = build_model(config.model.name).to(device)
     plan = None
     if config.is_private:
-        plan = plan_privacy(
-            target_epsilon=config.privacy.epsilon,
-            delta=config.privacy.delta,
-            max_grad_norm=config.privacy.max_grad_norm,
-            accountant=config.privacy.accountant,
-            dataset_size=n_train,
-            batch_size=config.training.batch_size,
-            epochs=config.training.epochs,
-        )
+        plan = privacy_plan(config, n_train)
     optimizer = build_optimizer(
         config.optimizer,
         model.parameters(),

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 # The shared CIFAR-10 copy: $DPIVON_DATA (.ci/run sets it), else beside the checkout.
@@ -112,6 +113,15 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15) -> 
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         kill_session(process)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one thread avoids the thread-pool overhead that dominates them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -41,12 +41,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids the thread-pool overhead that dominates them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def every_test_on_one_thread(one_thread):
+    """Every audit here trains a tiny model: see the ``one_thread`` fixture."""
 
 
 # --- the bound -----------------------------------------------------------------------------

@@ -48,15 +48,6 @@ def independent_epsilon(sigma: float, q: float, steps: int, delta: float) -> flo
 # --- the plan is what runs -----------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models: one thread avoids the thread-pool overhead that dominates them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def one_epoch_plan(dataset_size: int, batch_size: int, target_epsilon: float):
     return plan_privacy(
         target_epsilon=target_epsilon,

@@ -133,14 +133,6 @@ def test_a_private_run_is_secure_by_default_and_research_mode_follows_the_seed(o
     assert abs(float(np.corrcoef(secure.numpy(), seeded.numpy())[0, 1])) < 0.05
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_no_key_in_anything_train_logs_or_prints(tmp_path, monkeypatch):
     """`dpivon train` (secure by default) logs its model: the key from the OS appears in no
     param, tag, metric, artifact, model file or output. (What research mode's models say:
