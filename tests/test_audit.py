@@ -14,8 +14,6 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from opacus.optimizers import DPOptimizer
-from opacus.optimizers import optimizer as opacus_optimizer
-from opacus.optimizers import optimizer_fast_gradient_clipping as opacus_fast_clipping
 from typer.testing import CliRunner
 
 from dpivon.audit import (
@@ -32,7 +30,7 @@ from dpivon.audit import (
 from dpivon.cli import app
 from dpivon.config import PRIVATE_OPTIMIZERS
 from dpivon.errors import DpivonError
-from dpivon.privacy import bookkeeping, sampling
+from dpivon.privacy import bookkeeping, noise, sampling
 from dpivon.privacy.engine import PER_SAMPLE_ENGINES
 from dpivon.training import TrainingSetup, build_training, load_data, train_step
 
@@ -248,14 +246,13 @@ def sampler_takes_everything(monkeypatch) -> None:
 
 
 def half_the_noise(monkeypatch) -> None:
-    """Opacus draws noise of half the std it is asked for (both optimizer families)."""
-    generate = opacus_optimizer._generate_noise
+    """The DP optimizers (every engine's) draw noise of half the std they are asked for."""
+    generate = noise.gaussian_noise
 
-    def half(std, reference, generator=None, secure_mode=False):
-        return generate(std / 2, reference, generator, secure_mode)
+    def half(randomness, std, count, device, dtype=torch.float32):
+        return generate(randomness, std / 2, count, device, dtype)
 
-    monkeypatch.setattr(opacus_optimizer, "_generate_noise", half)
-    monkeypatch.setattr(opacus_fast_clipping, "_generate_noise", half)
+    monkeypatch.setattr(noise, "gaussian_noise", half)
 
 
 MUTATIONS = {
