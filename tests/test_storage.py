@@ -19,7 +19,7 @@ from dpivon.privacy.tuning import SweepConditions, TrialMechanism, tuning_privac
 from dpivon.search.export import export_configs, resolve_sweep, trial_config
 from dpivon.search.report import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.storage import SweepStorage, local_copy
-from dpivon.search.sweep import STATE_FILE
+from dpivon.search.sweep import STATE_FILE, SweepState
 from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking import save_checkpoint
 from dpivon.training import train
@@ -115,7 +115,7 @@ def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
                      "val_ece": 0.1 + len(rows) / 10})  # both on the front
     conditions = SweepConditions("fixed", 2.0, adaptive_sampler=True, adaptive_scheduler=False)
     report = tuning_privacy_report(mechanisms, 1e-5, conditions)
-    storage.write_text(STATE_FILE, json.dumps({"name": "remote", "objectives": objectives}))
+    SweepState("remote", "", "", "", "", objectives).save(storage)
     storage.write_text(TRIALS_FILE, pd.DataFrame(rows).to_csv(index=False))
     storage.write_text(FRONT_FILE, pd.DataFrame(rows).to_csv(index=False))
     storage.write_text(TUNING_FILE, json.dumps({"eps8-dp-sgd": report}))
