@@ -63,7 +63,7 @@ def check_writable(path: Path, what: str) -> None:
         if path.exists() and not path.is_file():
             kind = _kind(path.stat().st_mode)
             raise DpivonError(f"{what} {path} is {kind}; give a file path, e.g. {path}/out")
-        existing = path if path.exists() else path.parent
+        existing = path.parent  # a regular file at path is replaced: its folder is written
         while not existing.exists():
             existing = existing.parent
         if not existing.is_dir():
@@ -71,7 +71,7 @@ def check_writable(path: Path, what: str) -> None:
                 f"{what} {path} is under {existing}, which is a file, not a folder; "
                 "give a path in a folder"
             )
-        _probe(existing if existing.is_dir() else existing.parent)
+        _probe(existing)
     except OSError as err:  # no permission, a read-only or special filesystem, a loop
         raise DpivonError(f"{what} {path} cannot be written: {err.strerror or err}") from None
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import load_configs
 from dpivon.errors import DpivonError
-from dpivon.paths import MAX_INPUT_BYTES
+from dpivon.paths import MAX_INPUT_BYTES, check_writable
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.space import load_search_space
 from dpivon.study.spec import load_benchmark
@@ -241,3 +241,13 @@ def test_a_truncated_sweep_state_names_its_file(tmp_path):
     line = one_line(result)
     assert result.exit_code == 2 and str(folder / "sweep.json") in line, line
     assert "not valid JSON" in line, line
+
+
+def test_an_existing_output_file_is_replaced_but_a_path_under_a_file_is_refused(tmp_path):
+    """A second `--json out.json` (a resumed run) writes over its file; nothing is left."""
+    existing = tmp_path / "out.json"
+    existing.write_text("{}")
+    check_writable(existing, "--json")
+    with pytest.raises(DpivonError, match=r"is under .*out\.json, which is a file, not a folder"):
+        check_writable(existing / "x.json", "--json")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
