@@ -16,7 +16,7 @@ import yaml
 from dpivon.config import parse_config
 from dpivon.errors import DpivonError
 from dpivon.privacy.tuning import SweepConditions, TrialMechanism, tuning_privacy_report
-from dpivon.search.export import export_configs, resolve_sweep, trial_config
+from dpivon.search.export import export_configs, load_results, resolve_sweep, trial_config
 from dpivon.search.report import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.storage import SweepStorage, local_copy
 from dpivon.search.sweep import STATE_FILE, SweepState
@@ -161,3 +161,14 @@ def test_mlflow_artifacts_go_to_the_bucket(tmp_path, s3, postgres, mlflow_server
     assert torch.equal(torch.load(back)["w"], torch.arange(4.0))
     table = client.download_artifacts(run, "pareto_front.csv", str(tmp_path / "back"))
     assert Path(table).read_text() == "front table"
+
+
+def test_trial_ids_of_digits_only_read_back_as_text(tmp_path):
+    """Tune's trial ids can be all digits: read as numbers, "06927759" would lose its zero
+    and name no trial (the exported config's provenance, `tuned_by`)."""
+    storage = SweepStorage(str(tmp_path), "digits")
+    rows = pd.DataFrame([{"trial_id": "06927759", "run_id": "0123", "group": "eps8-dp-sgd"}])
+    for name in (TRIALS_FILE, FRONT_FILE):
+        storage.write_text(name, rows.to_csv(index=False))
+    for table in load_results(storage):
+        assert list(table["trial_id"]) == ["06927759"] and list(table["run_id"]) == ["0123"]

@@ -67,8 +67,11 @@ def load_results(storage: SweepStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
             f"sweep in {storage.uri} has no results yet (no {FRONT_FILE}); it is still "
             "running or was interrupted: finish it with `dpivon sweep PIPELINE --resume`"
         )
+    # identifiers stay text: Tune's trial ids may be all digits ("06927759")
+    ids = dict.fromkeys(("trial_id", "run_id", "group"), str)
     trials, front = (
-        pd.read_csv(io.BytesIO(storage.read_bytes(name))) for name in (TRIALS_FILE, FRONT_FILE)
+        pd.read_csv(io.BytesIO(storage.read_bytes(name)), dtype=ids)
+        for name in (TRIALS_FILE, FRONT_FILE)
     )
     return trials, front
 
