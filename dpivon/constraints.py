@@ -79,3 +79,7 @@ NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]
 Count = Annotated[StrictInt, Bound(ge=1)]
+# A privacy budget: > 0, inf meaning no noise (a non-private run). Every epsilon field and
+# list is of this type; a budget that must be spent (a sweep's total) is `FiniteEpsilon`.
+Epsilon = Annotated[StrictFloat, Bound(gt=0, shown="> 0 (.inf: no noise)")]
+FiniteEpsilon = FinitePositiveFloat
