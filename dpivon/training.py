@@ -23,7 +23,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate
-from dpivon.metrics import ReliabilityDiagram, private_validation_scores, reliability_diagram
+from dpivon.metrics import ReliabilityDiagram, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
@@ -36,6 +36,7 @@ from dpivon.privacy.noise import (
 )
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
+from dpivon.privacy.validation import private_validation_scores
 
 # Metrics computed on raw training batches: a private run's epsilon does not cover them.
 NOT_COVERED_METRICS = ("train_loss",)
@@ -500,7 +501,7 @@ def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluatio
         return val.metrics
     diagram = reliability_diagram(val.probs, val.labels, config.evaluation.ece_bins)
     return private_validation_scores(
-        diagram, config.evaluation.val_noise_multiplier, setup.randomness
+        diagram.bin_sums(), config.evaluation.val_noise_multiplier, setup.randomness
     )
 
 
