@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from opacus.accountants import IAccountant, create_accountant
@@ -35,6 +35,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
+from dpivon.config import EngineName, OneBackwardEngine, PerSampleEngine, check_engine_samples
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
@@ -53,11 +54,10 @@ from dpivon.privacy.noise import NoiseFromRandomness, Randomness
 from dpivon.privacy.sampling import PoissonBatches
 
 # Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
-PER_SAMPLE_ENGINES = ("hooks", "functorch", "ew")
-# Engines that clip what one backward pass gives: they cannot average an example's
-# gradient over several MC samples before clipping (DPIVON needs p.grad_sample for that).
-ONE_BACKWARD_ENGINES = ("bk", "ghost")
-ENGINES = ("auto", *ONE_BACKWARD_ENGINES, *PER_SAMPLE_ENGINES)
+PER_SAMPLE_ENGINES: tuple[str, ...] = get_args(PerSampleEngine)
+# Engines that clip what one backward pass gives (one MC sample per step).
+ONE_BACKWARD_ENGINES: tuple[str, ...] = get_args(OneBackwardEngine)
+ENGINES: tuple[str, ...] = get_args(EngineName)
 DEFAULT_ENGINE = "auto"
 # Layer types torch's ExpandedWeights (engine ew) has per-sample rules for.
 _EW_LAYERS = (
@@ -217,12 +217,7 @@ def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
     bk_problems = unsupported_layers(model)
     if engine == "auto":
         return "bk" if not bk_problems and mc_samples == 1 else "hooks"
-    if engine in ONE_BACKWARD_ENGINES and mc_samples > 1:
-        raise DpivonError(
-            f"engine {engine} clips the gradients of one backward pass; mc_samples="
-            f"{mc_samples} needs each example's gradient averaged over the posterior samples "
-            "before clipping: use engine hooks, functorch or ew (auto picks hooks)"
-        )
+    check_engine_samples(engine, mc_samples)
     if engine == "bk" and bk_problems:
         raise DpivonError(
             "engine bk cannot clip these layers exactly: "
