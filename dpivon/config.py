@@ -428,11 +428,6 @@ class TrainConfig(BaseModel):
         return OPTIMIZERS[self.optimizer.name].private
 
     @property
-    def is_ivon(self) -> bool:
-        """An IVON posterior: BMA evaluation and a logged posterior."""
-        return OPTIMIZERS[self.optimizer.name].ivon
-
-    @property
     def split_seed(self) -> int:
         """The train/validation split's seed: data_seed, else the run's seed."""
         return self.runtime.seed if self.data.data_seed is None else self.data.data_seed

@@ -160,7 +160,6 @@ class OptimizerSpec:
     private: bool
     defaults: Mapping[str, Any] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)  # what the name itself decides
-    ivon: bool = False  # an IVON posterior: BMA evaluation, a logged posterior
 
 
 # IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
@@ -170,17 +169,17 @@ _DPIVON = "dpivon.optim.ivon:DPIVON"
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "dp-ivon-gradsq": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        GradsqIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": True},
     ),
     "dp-ivon-gradsq-uncorrected": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        GradsqIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": False},
     ),
     "dp-ivon": OptimizerSpec(
-        DPIVONOptions, _DPIVON, private=True, ivon=True,
+        DPIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS}, fixed={"hess_approx": "price"},
     ),
     "dp-sgd": OptimizerSpec(
@@ -198,7 +197,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         defaults={"lr": 5e-6, "beta2": 0.999, "weight_decay": 0.0, "second_moment_floor": 1e-9},
     ),
     "ivon": OptimizerSpec(
-        IVONOptions, "dpivon.optim.ivon:IVON", private=False, ivon=True,
+        IVONOptions, "dpivon.optim.ivon:IVON", private=False,
         defaults={"lr": 0.2, "hess_approx": "price", **_IVON_DEFAULTS},
     ),
     "sgd": OptimizerSpec(

@@ -23,7 +23,7 @@ in every one, and every one reads the clipped sum from ``p.summed_grad`` in ``ad
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, get_args
 
 import torch
@@ -40,7 +40,6 @@ from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
     check_budget,
-    epsilon_spent,
     sampling_schedule,
 )
 from dpivon.privacy.bookkeeping import (
@@ -105,14 +104,6 @@ class PrivacyPlan:
     def grad_noise_std(self) -> float:
         """Per-coordinate std of the noise in g_dp: sigma_p * C / b."""
         return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
-
-    def planned_epsilon(self) -> float:
-        return epsilon_spent(
-            self.noise_multiplier, self.sample_rate, self.steps, self.delta, self.accountant
-        )
-
-    def as_params(self) -> dict[str, float | int | str]:
-        return asdict(self)
 
 
 def plan_privacy(
@@ -184,22 +175,6 @@ class PrivateTraining:
     @property
     def steps_taken(self) -> int:
         return sum(steps for _, _, steps in self.accountant.history)
-
-    def recorded_sample_rates(self) -> set[float]:
-        """The sample rates the accountant recorded (one per distinct step kind)."""
-        return {rate for _, rate, _ in self.accountant.history}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Accountant history and the randomness's state (in secure mode its key: as
-        sensitive as the data), for resuming."""
-        return {
-            "accountant": self.accountant.state_dict(),
-            "randomness": self.randomness.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.accountant.load_state_dict(state["accountant"])
-        self.randomness.load_state_dict(state["randomness"])
 
 
 def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
