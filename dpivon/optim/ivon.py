@@ -518,6 +518,12 @@ class DPIVON(IVON):
       estimated from the momentum (the moving average of g_dp).
     """
 
+    # The last step's diagnostics, and whether the next step measures
+    # curvature_update_share (training sets it on every UPDATE_SHARE_EVERY-th step).
+    projected_fraction: float = 0.0
+    curvature_update_share: float = 0.0
+    track_update_share: bool = True
+
     def __init__(
         self,
         params,
@@ -550,9 +556,6 @@ class DPIVON(IVON):
         self.curvature_estimator = curvature_estimator
         self.curvature_ema = curvature_ema
         self.curvature_pool = curvature_pool
-        self.projected_fraction = 0.0
-        self.curvature_update_share = 0.0
-        self.track_update_share = True  # compute curvature_update_share in the next step
         self._update_norms: list[Tensor] = []
         if curvature_estimator == "ema-corrected":
             for _, p in self._params():

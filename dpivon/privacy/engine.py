@@ -35,7 +35,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
-from dpivon.config import EngineName, OneBackwardEngine, PerSampleEngine, check_engine_samples
+from dpivon.config import EngineName, PerSampleEngine, check_engine_samples
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
@@ -54,10 +54,7 @@ from dpivon.privacy.sampling import PoissonBatches
 
 # Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
 PER_SAMPLE_ENGINES: tuple[str, ...] = get_args(PerSampleEngine)
-# Engines that clip what one backward pass gives (one MC sample per step).
-ONE_BACKWARD_ENGINES: tuple[str, ...] = get_args(OneBackwardEngine)
 ENGINES: tuple[str, ...] = get_args(EngineName)
-DEFAULT_ENGINE = "auto"
 # Layer types torch's ExpandedWeights (engine ew) has per-sample rules for.
 _EW_LAYERS = (
     nn.Linear,
@@ -282,7 +279,7 @@ def make_private(
     labels: Tensor,
     plan: PrivacyPlan,
     *,
-    engine: str = DEFAULT_ENGINE,
+    engine: str = "auto",
     randomness: Randomness,
 ) -> PrivateTraining:
     """Wire ``model`` and ``optimizer`` for private training on (features, labels).
