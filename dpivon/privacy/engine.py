@@ -157,7 +157,6 @@ class PrivateTraining:
     criterion: nn.Module
     loader: PoissonBatches
     accountant: IAccountant
-    randomness: Randomness
     plan: PrivacyPlan
     engine: str
 
@@ -320,7 +319,6 @@ def make_private(
         criterion=criterion,
         loader=loader,
         accountant=accountant,
-        randomness=randomness,
         plan=plan,
         engine=engine,
     )
