@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from dpivon.metrics import NLL_EPSILON, _validate
+from dpivon.metrics import NLL_EPSILON, validated_predictions
 
 LOG_TEMPERATURE_BOUNDS = (math.log(1e-2), math.log(1e2))
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
@@ -38,7 +38,7 @@ def fit_temperature(probs: Tensor, labels: Tensor, tolerance: float = 1e-6) -> f
     ``probs`` (N, K) are predictive probabilities of the validation split and ``labels``
     (N,) its classes. Golden-section search on log T to ``tolerance`` (in log T).
     """
-    probs, labels = _validate(probs, labels)
+    probs, labels = validated_predictions(probs, labels)
 
     def nll(log_temperature: float) -> float:
         log_probs = _tempered_log_probs(probs, math.exp(log_temperature))

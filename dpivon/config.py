@@ -35,6 +35,7 @@ from dpivon.constraints import (
     Bool,
     Bound,
     Count,
+    Epsilon,
     FinitePositiveFloat,
     Float,
     Int,
@@ -57,8 +58,14 @@ __all__ = [  # the optimizer names are the registry's, re-exported for config us
     "OPTIMIZER_NAMES",
     "PRIVATE_OPTIMIZERS",
     "SECTIONS",
+    "AccountantName",
+    "DatasetName",
+    "EngineName",
+    "OneBackwardEngine",
+    "PerSampleEngine",
     "TrainConfig",
     "TuningCost",
+    "check_engine_samples",
     "config_key",
     "field_info",
     "format_validation_error",
@@ -72,6 +79,28 @@ CIFAR10_TRAIN_IMAGES = 50_000
 CIFAR10_CLASSES = 10
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
+# The choice lists a config names; the code that implements each choice takes its list from
+# here (typing.get_args), so a choice is added in one place besides its implementation.
+DatasetName = Literal["cifar10", "synthetic"]  # dpivon.data
+AccountantName = Literal["rdp", "prv"]  # Opacus accountants (dpivon.privacy.accounting)
+# How clipped per-example gradients are computed (dpivon.privacy.engine). One-backward
+# engines clip what one backward pass gives: they cannot average an example's gradient over
+# several posterior samples before clipping (DPIVON needs p.grad_sample for that).
+OneBackwardEngine = Literal["bk", "ghost"]
+PerSampleEngine = Literal["hooks", "functorch", "ew"]  # Opacus grad-sample modes
+EngineName = Literal["auto", OneBackwardEngine, PerSampleEngine]
+
+
+def check_engine_samples(engine: str, mc_samples: int) -> None:
+    """A one-backward engine clips a single backward pass, so it cannot take mc_samples > 1.
+    The rule's one home: the config validates it, `make_private` for callers without one."""
+    if engine in typing.get_args(OneBackwardEngine) and mc_samples > 1:
+        raise DpivonError(
+            f"engine {engine} clips the gradients of one backward pass; mc_samples="
+            f"{mc_samples} needs each example's gradient averaged over the posterior samples "
+            "before clipping: use engine hooks, functorch or ew (auto picks hooks)"
+        )
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -80,7 +109,7 @@ class Section(BaseModel):
 class DataConfig(Section):
     """Which images a run trains and validates on."""
 
-    dataset: Literal["cifar10", "synthetic"] = "cifar10"
+    dataset: DatasetName = "cifar10"
     data_path: str | None = None  # CIFAR-10 tarball or folder; None: $DPIVON_DATA, the cache
     val_size: Count  # default: 5000 for cifar10, a tenth of synthetic_size
     per_class: Count | None = None  # a class-balanced subset of the training images
@@ -165,13 +194,12 @@ class TuningCost(Section):
 class PrivacyConfig(Section):
     """The training's (epsilon, delta) budget and how it is spent. Private optimizers only."""
 
-    epsilon: Annotated[Float, Bound(gt=0)] = 8.0  # inf: no noise
+    epsilon: Epsilon = 8.0  # inf: no noise
     delta: Probability = 1e-5
     max_grad_norm: FinitePositiveFloat = 1.0  # the per-example clip norm C
-    accountant: Literal["rdp", "prv"] = "rdp"
-    # How clipped per-example gradients are computed (dpivon.privacy.engine): auto = bk
-    # (book-keeping) where it is exact for the model and one MC sample, else Opacus hooks.
-    engine: Literal["auto", "bk", "hooks", "functorch", "ew", "ghost"] = "auto"
+    accountant: AccountantName = "rdp"
+    # auto = bk (book-keeping) where it is exact for the model and one MC sample, else hooks
+    engine: EngineName = "auto"
     # Off (the default): noise and Poisson sampling from a CSPRNG keyed by the OS, never
     # stored outside resume checkpoints (dpivon.privacy.noise). On: they follow the seed,
     # reproducible by anyone who knows it: no DP guarantee for anything the run releases.
@@ -391,23 +419,13 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> TrainConfig:
-        one_backward = self.privacy.engine in ("bk", "ghost")
-        if self.is_private and one_backward and self.optimizer.samples_per_step > 1:
-            raise ValueError(
-                f"engine {self.privacy.engine} clips one backward pass; mc_samples > 1 "
-                "averages each example's gradient over posterior samples first: use "
-                "engine hooks or auto"
-            )
+        if self.is_private:
+            check_engine_samples(self.privacy.engine, self.optimizer.samples_per_step)
         return self
 
     @property
     def is_private(self) -> bool:
         return OPTIMIZERS[self.optimizer.name].private
-
-    @property
-    def is_ivon(self) -> bool:
-        """An IVON posterior: BMA evaluation and a logged posterior."""
-        return OPTIMIZERS[self.optimizer.name].ivon
 
     @property
     def split_seed(self) -> int:

@@ -3,6 +3,8 @@
 ``lr: Annotated[float, Bound(gt=0)]`` rejects 0 with "lr must be > 0, got 0": the message
 names the field and the whole interval (``beta2 must be in [0, 1), got 1.5``), which
 pydantic's own ``Field(gt=...)`` messages ("Input should be greater than 0") do not.
+`check_bound` applies a type's interval to a plain argument (a function that takes no
+config), with the same rule and message.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, StrictBool, StrictFloat, StrictInt, ValidationInfo
+
+from dpivon.errors import DpivonError
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,13 @@ class _Interval:
             or (self.le is not None and not value <= self.le)
         )
 
-    def __call__(self, value: Any, info: ValidationInfo) -> Any:
+    def check(self, name: str | None, value: Any) -> None:
         if value is not None and not self.holds(value):
             why = f" ({self.why})" if self.why else ""
-            raise ValueError(f"{info.field_name} must be {self.text()}{why}, got {value!r}")
+            raise DpivonError(f"{name} must be {self.text()}{why}, got {value!r}")
+
+    def __call__(self, value: Any, info: ValidationInfo) -> Any:
+        self.check(info.field_name, value)
         return value
 
 
@@ -83,3 +90,12 @@ Count = Annotated[StrictInt, Bound(ge=1)]
 # list is of this type; a budget that must be spent (a sweep's total) is `FiniteEpsilon`.
 Epsilon = Annotated[StrictFloat, Bound(gt=0, shown="> 0 (.inf: no noise)")]
 FiniteEpsilon = FinitePositiveFloat
+
+
+def check_bound(constrained: Any, name: str, value: float) -> None:
+    """DpivonError unless ``value`` lies in the interval of the ``constrained`` type
+    (``check_bound(Epsilon, "epsilon", 0.0)``: "epsilon must be > 0 (.inf: no noise), got
+    0.0"), for an argument of a function that takes no config."""
+    for meta in getattr(constrained, "__metadata__", ()):
+        if isinstance(meta, AfterValidator) and isinstance(meta.func, _Interval):
+            meta.func.check(name, value)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils.data import TensorDataset
 
+from dpivon.config import TrainConfig
 from dpivon.data import default_cache_dir
 from dpivon.metrics import classification_metrics
 from dpivon.optim.ivon import IVON, posterior_std
@@ -381,3 +382,23 @@ def evaluate(
     metrics = classification_metrics(bma_probs, labels, n_bins)
     metrics.update({f"mean_{k}": v for k, v in mean_metrics.items()})
     return Evaluation(bma_probs, labels, metrics)
+
+
+def evaluate_as_configured(
+    config: TrainConfig,
+    model: nn.Module,
+    dataset: TensorDataset,
+    posterior: Posterior | None,
+    *,
+    bma_samples: int | None = None,
+) -> Evaluation:
+    """`evaluate` as ``config`` says: its ECE bins and seed, and ``bma_samples`` posterior
+    draws (default: the final test's ``evaluation.bma_samples``)."""
+    return evaluate(
+        model,
+        dataset,
+        posterior=posterior,
+        bma_samples=config.evaluation.bma_samples if bma_samples is None else bma_samples,
+        n_bins=config.evaluation.ece_bins,
+        seed=config.runtime.seed,
+    )

@@ -7,22 +7,19 @@ results do not depend on the dtype of ``probs`` beyond its own rounding.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from torch import Tensor
-
-from dpivon.privacy.noise import Randomness, gaussian_noise
 
 NLL_EPSILON = 1e-12
 """Probabilities are clamped to at least this before the log, so NLL stays finite."""
 
 
-def _validate(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Check shapes, dtypes and ranges; return detached ``probs`` and int64 ``labels``."""
+def validated_predictions(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Check shapes, dtypes and ranges; return detached ``probs`` and int64 ``labels``.
+    Every metric (and the temperature fit of dpivon.calibration) starts with it."""
     if not isinstance(probs, Tensor) or not isinstance(labels, Tensor):
         raise TypeError("probs and labels must be torch.Tensor")
     if probs.ndim != 2:
@@ -53,20 +50,20 @@ def _validate(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 def accuracy(probs: Tensor, labels: Tensor) -> float:
     """Fraction of examples whose arg-max class (first one on ties) equals the label."""
-    probs, labels = _validate(probs, labels)
+    probs, labels = validated_predictions(probs, labels)
     return (probs.argmax(dim=1) == labels).double().mean().item()
 
 
 def negative_log_likelihood(probs: Tensor, labels: Tensor) -> float:
     """Mean ``-log p(y | x)``; p is clamped to at least ``NLL_EPSILON`` (1e-12) to avoid inf."""
-    probs, labels = _validate(probs, labels)
+    probs, labels = validated_predictions(probs, labels)
     p_true = probs.double().gather(1, labels.unsqueeze(1)).squeeze(1)
     return -p_true.clamp_min(NLL_EPSILON).log().mean().item()
 
 
 def brier_score(probs: Tensor, labels: Tensor) -> float:
     """Multi-class Brier score: mean over examples of ``sum_k (p_k - onehot_k)^2``, in [0, 2]."""
-    probs, labels = _validate(probs, labels)
+    probs, labels = validated_predictions(probs, labels)
     onehot = torch.nn.functional.one_hot(labels, probs.shape[1]).double()
     return (probs.double() - onehot).square().sum(dim=1).mean().item()
 
@@ -102,6 +99,15 @@ class ReliabilityDiagram:
         weighted = self.bin_confidence[filled] * self.bin_count[filled]
         return float(weighted.sum() / self.num_examples)
 
+    def bin_sums(self) -> np.ndarray:
+        """(3, n_bins) float64: per bin the number of examples, the number correct and the sum
+        of confidences; what the validation scores' Gaussian mechanism noises
+        (`dpivon.privacy.validation`)."""
+        filled = self.bin_count > 0
+        correct = np.where(filled, self.bin_accuracy * self.bin_count, 0.0)
+        confidence = np.where(filled, self.bin_confidence * self.bin_count, 0.0)
+        return np.stack([self.bin_count.astype(np.float64), correct, confidence])
+
 
 def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
     """Bin examples by top-label confidence into ``n_bins`` equal-width bins on [0, 1].
@@ -111,7 +117,7 @@ def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> Reli
     """
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
-    probs, labels = _validate(probs, labels)
+    probs, labels = validated_predictions(probs, labels)
     confidence, prediction = probs.max(dim=1)
     # numpy's i / n is correctly rounded in float64, and rounding that on to a narrower float
     # equals computing i / n in that float (double rounding is harmless for division when the
@@ -149,93 +155,4 @@ def classification_metrics(probs: Tensor, labels: Tensor, n_bins: int = 15) -> d
         "nll": negative_log_likelihood(probs, labels),
         "brier": brier_score(probs, labels),
         "ece": expected_calibration_error(probs, labels, n_bins),
-    }
-
-
-def plot_reliability_diagram(diagram: ReliabilityDiagram, title: str = "") -> Figure:
-    """Reliability diagram (top) over a confidence histogram (bottom), without pyplot state."""
-    fig = Figure(figsize=(5.0, 6.0), layout="constrained")
-    ax_rel, ax_hist = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    left = diagram.bin_edges[:-1]
-    width = np.diff(diagram.bin_edges)
-    filled = diagram.bin_count > 0
-    acc = np.where(filled, diagram.bin_accuracy, 0.0)
-    conf = np.where(filled, diagram.bin_confidence, 0.0)
-
-    ax_rel.plot([0, 1], [0, 1], ls="--", color="0.4", lw=1, label="Perfect calibration")
-    ax_rel.bar(
-        left,
-        acc,
-        width,
-        align="edge",
-        color="#4C72B0",
-        edgecolor="white",
-        lw=0.8,
-        label="Accuracy",
-    )
-    # The gap spans accuracy to mean confidence in each bin; ECE is its count-weighted mean.
-    ax_rel.bar(
-        left[filled],
-        np.abs(conf - acc)[filled],
-        width[filled],
-        bottom=np.minimum(acc, conf)[filled],
-        align="edge",
-        color="#C44E52",
-        alpha=0.35,
-        edgecolor="#C44E52",
-        hatch="//",
-        lw=0.8,
-        label=f"Gap (ECE = {100 * diagram.ece:.2f}%)",
-    )
-    ax_rel.set(xlim=(0, 1), ylim=(0, 1), ylabel="Accuracy")
-    ax_rel.set_title(title or "Reliability diagram")
-    ax_rel.legend(loc="best", frameon=False)
-    ax_rel.grid(alpha=0.3)
-
-    fraction = diagram.bin_count / diagram.num_examples
-    ax_hist.bar(left, fraction, width, align="edge", color="0.55", edgecolor="white", lw=0.8)
-    ax_hist.axvline(
-        diagram.accuracy, color="#4C72B0", lw=1.5, label=f"Accuracy {100 * diagram.accuracy:.1f}%"
-    )
-    ax_hist.axvline(
-        diagram.mean_confidence,
-        color="#C44E52",
-        ls="--",
-        lw=1.5,
-        label=f"Mean confidence {100 * diagram.mean_confidence:.1f}%",
-    )
-    ax_hist.set(xlim=(0, 1), xlabel="Confidence", ylabel="Fraction of examples")
-    ax_hist.legend(loc="best", frameon=False, fontsize="small")
-    ax_hist.grid(alpha=0.3)
-    return fig
-
-
-# Adding or removing one validation record changes one bin's count, correct count and
-# confidence sum by at most 1 each.
-VALIDATION_SCORE_SENSITIVITY = math.sqrt(3.0)
-
-
-def private_validation_scores(
-    diagram: ReliabilityDiagram, noise_multiplier: float, randomness: Randomness
-) -> dict[str, float]:
-    """Accuracy and ECE from Gaussian-noised bin statistics (the Gaussian mechanism).
-
-    Per bin, the count, the number correct and the confidence sum each get
-    N(0, (noise_multiplier * sqrt(3))^2): one release is (alpha, alpha / (2 sigma^2))-RDP in
-    the validation records, accounted as ``GaussianDpEvent(noise_multiplier)``. Both scores
-    are post-processing of the noised statistics.
-    """
-    if not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
-    filled = diagram.bin_count > 0
-    correct = np.where(filled, diagram.bin_accuracy * diagram.bin_count, 0.0)
-    confidence = np.where(filled, diagram.bin_confidence * diagram.bin_count, 0.0)
-    exact = torch.from_numpy(np.stack([diagram.bin_count.astype(np.float64), correct, confidence]))
-    std = noise_multiplier * VALIDATION_SCORE_SENSITIVITY
-    noise = gaussian_noise(randomness, std, exact.numel(), torch.device("cpu"), torch.float64)
-    count, correct, confidence = (exact + noise.view_as(exact)).numpy()
-    total = max(float(count.sum()), 1.0)
-    return {
-        "accuracy": float(np.clip(correct.sum() / total, 0.0, 1.0)),
-        "ece": float(np.clip(np.abs(correct - confidence).sum() / total, 0.0, 1.0)),
     }

@@ -36,8 +36,8 @@ from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE
 from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
-from dpivon.metrics import plot_reliability_diagram
 from dpivon.models import build_model
+from dpivon.plots import plot_reliability_diagram
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
 from dpivon.privacy.noise import NOISE_TAG, noise_statement
 

@@ -22,8 +22,8 @@ from torch import nn
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import Evaluation, Posterior, evaluate
-from dpivon.metrics import ReliabilityDiagram, private_validation_scores, reliability_diagram
+from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
+from dpivon.metrics import ReliabilityDiagram, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
@@ -36,6 +36,7 @@ from dpivon.privacy.noise import (
 )
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
+from dpivon.privacy.validation import private_validation_scores
 
 # Metrics computed on raw training batches: a private run's epsilon does not cover them.
 NOT_COVERED_METRICS = ("train_loss",)
@@ -480,19 +481,6 @@ def _posterior(setup: TrainingSetup) -> Posterior | None:
     return Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
 
 
-def _evaluate(
-    config: TrainConfig, setup: TrainingSetup, dataset, posterior, bma_samples: int
-) -> Evaluation:
-    return evaluate(
-        setup.model,
-        dataset,
-        posterior=posterior,
-        bma_samples=bma_samples,
-        n_bins=config.evaluation.ece_bins,
-        seed=config.runtime.seed,
-    )
-
-
 def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluation) -> dict:
     """The validation scores a run releases: exact, or with ``val_noise_multiplier`` only
     the Gaussian-noised accuracy and ECE (the exact ones, NLL and Brier are not released)."""
@@ -500,85 +488,115 @@ def _validation_scores(config: TrainConfig, setup: TrainingSetup, val: Evaluatio
         return val.metrics
     diagram = reliability_diagram(val.probs, val.labels, config.evaluation.ece_bins)
     return private_validation_scores(
-        diagram, config.evaluation.val_noise_multiplier, setup.randomness
+        diagram.bin_sums(), config.evaluation.val_noise_multiplier, setup.randomness
     )
 
 
-def train(
-    config: TrainConfig,
-    *,
-    data: DataSplits | None = None,
-    on_epoch_end: Callable[[EpochReport], None] | None = None,
-    resume_state: dict | None = None,
-    evaluate_test: bool = True,
-    on_step: StepCallback | None = None,
-    phases: PhaseTimes | None = None,
-) -> TrainResult:
-    """Train ``config`` and evaluate it; see the module docstring for the pipeline.
-    ``phases`` (a fresh one if None) accumulates the seconds of each phase."""
-    started = time.perf_counter()
-    phases = phases if phases is not None else PhaseTimes()
-    seed_everything(config.runtime.seed)
-    device = resolve_device(config.runtime.device)
-    phases.device = device
-    with phases.phase("data"):
-        data = data if data is not None else load_data(config)
-    with phases.phase("setup"):
-        setup = build_training(config, data, device)
-        scheduler = _lr_scheduler(config, setup)
-        first_epoch, history = 0, []
-        if resume_state is not None:
-            first_epoch, history = _restore(resume_state, setup, scheduler)
-    dp_ivon = setup.ivon if isinstance(setup.ivon, DPIVON) else None
+def _diverged(config: TrainConfig, setup: TrainingSetup, epoch: int) -> TrainingDiverged:
+    """The error of a run whose parameters are no longer finite, with the planned mechanism
+    of a private run (the tuning cost counts a diverged trial too)."""
+    plan = setup.private.plan if setup.private is not None else None
+    return TrainingDiverged(
+        f"training diverged at epoch {epoch}: the parameters are no longer "
+        f"finite; lower the learning rate (lr={config.optimizer.lr})",
+        privacy={
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
+            "steps": plan.steps,
+        }
+        if plan is not None
+        else None,
+    )
 
-    def checkpoint(epoch: int) -> dict:
-        with phases.phase("checkpoint"):
-            return _checkpoint_state(epoch, setup, scheduler, history)
-    posterior = None
-    val: dict[str, float] | None = None
 
-    total_steps = config.training.epochs * len(setup.loader)
-    done = first_epoch * len(setup.loader)
+class _TrainingRun:
+    """One call of `train`, as the phases it runs: set up, restore (a resumed run), one
+    epoch at a time (its steps, then its evaluation and report), finish (the test and the
+    result). Each is timed under `PHASES` in ``phases``."""
 
-    def report_step(status: str) -> None:
-        if on_step is not None:
-            on_step(StepReport(config.optimizer.name, done, total_steps, status))
+    def __init__(
+        self,
+        config: TrainConfig,
+        data: DataSplits,
+        device: torch.device,
+        setup: TrainingSetup,
+        phases: PhaseTimes,
+        on_step: StepCallback | None,
+    ) -> None:
+        self.config, self.data, self.device, self.setup = config, data, device, setup
+        self.phases, self.on_step = phases, on_step
+        self.scheduler = _lr_scheduler(config, setup)
+        self.dp_ivon = setup.ivon if isinstance(setup.ivon, DPIVON) else None
+        self.first_epoch = 0
+        self.history: list[dict[str, float]] = []
+        self.total_steps = config.training.epochs * len(setup.loader)
+        self.steps_done = 0
+        self.posterior: Posterior | None = None
+        self.val: dict[str, float] | None = None  # the last epoch's released scores
 
-    for epoch in range(first_epoch + 1, config.training.epochs + 1):
+    @classmethod
+    def set_up(
+        cls,
+        config: TrainConfig,
+        data: DataSplits | None,
+        phases: PhaseTimes,
+        on_step: StepCallback | None,
+    ) -> _TrainingRun:
+        """Seeds, device, data (phase "data"), model, optimizer and privacy ("setup")."""
+        seed_everything(config.runtime.seed)
+        device = resolve_device(config.runtime.device)
+        phases.device = device
+        with phases.phase("data"):
+            data = data if data is not None else load_data(config)
+        with phases.phase("setup"):
+            setup = build_training(config, data, device)
+            return cls(config, data, device, setup, phases, on_step)
+
+    def restore(self, state: dict) -> None:
+        """Continue a checkpointed run after its last epoch (phase "setup")."""
+        with self.phases.phase("setup"):
+            self.first_epoch, self.history = _restore(state, self.setup, self.scheduler)
+        self.steps_done = self.first_epoch * len(self.setup.loader)
+
+    def report_step(self, status: str) -> None:
+        if self.on_step is not None:
+            name = self.config.optimizer.name
+            self.on_step(StepReport(name, self.steps_done, self.total_steps, status))
+
+    def train_epoch(self, epoch: int) -> tuple[list[float], list[dict[str, float]]]:
+        """The epoch's optimizer steps: their losses and DPIVON's per-step diagnostics."""
+        setup, phases = self.setup, self.phases
         setup.trained_module.train()
-        losses, step_diagnostics = [], []  # DPIVON's per-step diagnostics
-        for step, (x, y) in enumerate(timed_batches(setup.loader, device, phases)):
-            if dp_ivon is not None:
-                dp_ivon.track_update_share = step % UPDATE_SHARE_EVERY == 0
+        losses, step_diagnostics = [], []
+        for step, (x, y) in enumerate(timed_batches(setup.loader, self.device, phases)):
+            if self.dp_ivon is not None:
+                self.dp_ivon.track_update_share = step % UPDATE_SHARE_EVERY == 0
             with phases.phase("train"):
-                loss = train_step(setup, x, y, config.optimizer.samples_per_step)
+                loss = train_step(setup, x, y, self.config.optimizer.samples_per_step)
             if not parameters_finite(setup.model):
-                plan = setup.private.plan if setup.private is not None else None
-                raise TrainingDiverged(
-                    f"training diverged at epoch {epoch}: the parameters are no longer "
-                    f"finite; lower the learning rate (lr={config.optimizer.lr})",
-                    privacy={
-                        "noise_multiplier": plan.noise_multiplier,
-                        "sample_rate": plan.sample_rate,
-                        "steps": plan.steps,
-                    }
-                    if plan is not None
-                    else None,
-                )
+                raise _diverged(self.config, setup, epoch)
             losses.append(loss)
             step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
-            scheduler.step()
-            done += 1
-            report_step(f"epoch {epoch}")
+            self.scheduler.step()
+            self.steps_done += 1
+            self.report_step(f"epoch {epoch}")
+        return losses, step_diagnostics
 
-        posterior = _posterior(setup)
+    def evaluate_epoch(
+        self, epoch: int, losses: list[float], step_diagnostics: list[dict[str, float]]
+    ) -> dict[str, float]:
+        """What the epoch releases: training loss, validation scores (phase "validation"),
+        the privacy spent so far and, for IVON, the curvature ("diagnostics")."""
+        config, setup, phases = self.config, self.setup, self.phases
+        self.posterior = _posterior(setup)
         with phases.phase("validation"):
-            val_eval = _evaluate(
-                config, setup, data.val, posterior, config.evaluation.val_bma_samples
+            val_samples = config.evaluation.val_bma_samples
+            val = evaluate_as_configured(
+                config, setup.model, self.data.val, self.posterior, bma_samples=val_samples
             )
-            val = _validation_scores(config, setup, val_eval)
+            self.val = _validation_scores(config, setup, val)
         metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
-        metrics.update({f"val_{k}": v for k, v in val.items()})
+        metrics.update({f"val_{k}": v for k, v in self.val.items()})
         if setup.private is not None:
             plan = setup.private.plan
             metrics.update(
@@ -596,40 +614,82 @@ def train(
                 metrics.update(
                     {k: float(np.mean([d[k] for d in step_diagnostics if k in d])) for k in keys}
                 )
-        history.append(metrics)
-        report_step(f"epoch {epoch} val acc {val['accuracy']:.3f}")
-        if on_epoch_end is not None:
-            checkpoint_s = phases.seconds["checkpoint"]
-            with phases.phase("logging"):
-                on_epoch_end(EpochReport(epoch, metrics, lambda e=epoch: checkpoint(e)))
-            # a checkpoint the callback built is a phase of its own
-            phases.seconds["logging"] -= phases.seconds["checkpoint"] - checkpoint_s
+        return metrics
 
-    if val is None:  # resumed after the last epoch: the scores that epoch released
-        posterior = _posterior(setup)
-        val = {k.removeprefix("val_"): v for k, v in history[-1].items() if k.startswith("val_")}
-    test, diagram = None, None
-    if evaluate_test:
-        with phases.phase("test"):
-            samples = config.evaluation.bma_samples
-            test_eval = _evaluate(config, setup, data.test, posterior, samples)
-            test = test_eval.metrics
-            diagram = reliability_diagram(
-                test_eval.probs, test_eval.labels, config.evaluation.ece_bins
-            )
-    private = setup.private
-    return TrainResult(
-        config=config,
-        privacy=private.plan if private else None,
-        epsilon_spent=private.epsilon_spent() if private else None,
-        steps=private.steps_taken if private else config.training.epochs * len(setup.loader),
-        history=history,
-        val=val,
-        test=test,
-        test_reliability=diagram,
-        model=setup.model.cpu(),
-        posterior=posterior,
-        wall_time_s=time.perf_counter() - started,
-        engine=private.engine if private else None,
-        phases=phases,
-    )
+    def checkpoint(self, epoch: int) -> dict:
+        """The resumable state after ``epoch`` (phase "checkpoint")."""
+        with self.phases.phase("checkpoint"):
+            return _checkpoint_state(epoch, self.setup, self.scheduler, self.history)
+
+    def end_epoch(
+        self,
+        epoch: int,
+        metrics: dict[str, float],
+        on_epoch_end: Callable[[EpochReport], None] | None,
+    ) -> None:
+        """Record the epoch and hand it to ``on_epoch_end`` (phase "logging")."""
+        self.history.append(metrics)
+        self.report_step(f"epoch {epoch} val acc {self.val['accuracy']:.3f}")
+        if on_epoch_end is None:
+            return
+        phases = self.phases
+        checkpoint_s = phases.seconds["checkpoint"]
+        with phases.phase("logging"):
+            on_epoch_end(EpochReport(epoch, metrics, lambda: self.checkpoint(epoch)))
+        # a checkpoint the callback built is a phase of its own
+        phases.seconds["logging"] -= phases.seconds["checkpoint"] - checkpoint_s
+
+    def test(self) -> tuple[dict[str, float], ReliabilityDiagram]:
+        """The final test's metrics and reliability diagram (phase "test")."""
+        config, model = self.config, self.setup.model
+        with self.phases.phase("test"):
+            result = evaluate_as_configured(config, model, self.data.test, self.posterior)
+            diagram = reliability_diagram(result.probs, result.labels, config.evaluation.ece_bins)
+        return result.metrics, diagram
+
+    def finish(self, *, evaluate_test: bool, started: float) -> TrainResult:
+        """The test (if asked) and the run's result; the model moves to the CPU."""
+        if self.val is None:  # resumed after the last epoch: the scores that epoch released
+            self.posterior = _posterior(self.setup)
+            last = self.history[-1]
+            self.val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
+        test, diagram = self.test() if evaluate_test else (None, None)
+        private = self.setup.private
+        return TrainResult(
+            config=self.config,
+            privacy=private.plan if private else None,
+            epsilon_spent=private.epsilon_spent() if private else None,
+            steps=private.steps_taken if private else self.total_steps,
+            history=self.history,
+            val=self.val,
+            test=test,
+            test_reliability=diagram,
+            model=self.setup.model.cpu(),
+            posterior=self.posterior,
+            wall_time_s=time.perf_counter() - started,
+            engine=private.engine if private else None,
+            phases=self.phases,
+        )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    data: DataSplits | None = None,
+    on_epoch_end: Callable[[EpochReport], None] | None = None,
+    resume_state: dict | None = None,
+    evaluate_test: bool = True,
+    on_step: StepCallback | None = None,
+    phases: PhaseTimes | None = None,
+) -> TrainResult:
+    """Train ``config`` and evaluate it; see the module docstring for the pipeline.
+    ``phases`` (a fresh one if None) accumulates the seconds of each phase."""
+    started = time.perf_counter()
+    run = _TrainingRun.set_up(config, data, phases if phases is not None else PhaseTimes(), on_step)
+    if resume_state is not None:
+        run.restore(resume_state)
+    for epoch in range(run.first_epoch + 1, config.training.epochs + 1):
+        losses, step_diagnostics = run.train_epoch(epoch)
+        metrics = run.evaluate_epoch(epoch, losses, step_diagnostics)
+        run.end_epoch(epoch, metrics, on_epoch_end)
+    return run.finish(evaluate_test=evaluate_test, started=started)

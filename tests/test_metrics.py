@@ -18,9 +18,9 @@ from dpivon.metrics import (
     classification_metrics,
     expected_calibration_error,
     negative_log_likelihood,
-    plot_reliability_diagram,
     reliability_diagram,
 )
+from dpivon.plots import plot_reliability_diagram
 
 # Five examples, three classes. With n_bins=5 the edges are 0, .2, .4, .6, .8, 1 and bins are
 # right-closed, so the confidences .6 and .4 sit on edges and belong to the lower bin.

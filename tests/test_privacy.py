@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +11,12 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpivon.errors import DpivonError
+from dpivon.metrics import reliability_diagram
 from dpivon.optim.ivon import DPIVON, IVON
+from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PrivacyPlan, make_private, plan_privacy
-from dpivon.privacy.noise import SecureRandomness
+from dpivon.privacy.noise import SecureRandomness, SeededRandomness
+from dpivon.privacy.validation import VALIDATION_SCORE_SENSITIVITY, private_validation_scores
 
 DTYPE = torch.float64
 N_IN, N_HIDDEN, N_OUT = 4, 6, 3
@@ -200,7 +204,8 @@ def test_plan_privacy_spends_the_target_epsilon(
     assert plan.steps == epochs * math.ceil(dataset_size / batch_size)
     assert plan.expected_batch_size == batch_size
     assert plan.noise_multiplier > 0
-    assert target_epsilon - 0.05 <= plan.planned_epsilon() <= target_epsilon
+    spent = epsilon_spent(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-5, accountant)
+    assert target_epsilon - 0.05 <= spent <= target_epsilon
     assert plan.grad_noise_std == pytest.approx(
         plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch_size
     )
@@ -244,7 +249,9 @@ def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_sampl
     assert private.steps_taken == plan.steps
     spent = private.epsilon_spent()
     assert target - 0.05 <= spent <= target
-    assert spent == pytest.approx(plan.planned_epsilon(), rel=1e-9)
+    # the accountant recorded exactly the planned mechanism
+    planned = epsilon_spent(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-4, accountant)
+    assert spent == pytest.approx(planned, rel=1e-9)
     params = flat(model.parameters())
     assert torch.isfinite(params).all() and not torch.equal(params, start)
 
@@ -261,7 +268,7 @@ def test_non_private_budget_means_no_noise():
     )
     assert plan.noise_multiplier == 0.0
     assert plan.grad_noise_std == 0.0
-    assert plan.planned_epsilon() == math.inf
+    assert epsilon_spent(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-5) == math.inf
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
@@ -314,3 +321,30 @@ def test_invalid_budgets_raise(override, message):
 def test_valid_reference_budget_is_accepted():
     """The baseline of the invalid cases above is itself valid."""
     assert isinstance(plan_privacy(**VALID), PrivacyPlan)
+
+
+# --- the Gaussian mechanism on validation scores ----------------------------------------------
+
+
+def test_noised_validation_scores_are_the_exact_scores_plus_calibrated_noise():
+    """The release is unbiased around the exact accuracy and ECE, one record moves the
+    noised sums by at most the sensitivity, and the noise has std sigma * sqrt(3) per sum."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(400, 10, generator=gen), dim=1)
+    labels = torch.randint(0, 10, (400,), generator=gen)
+    diagram = reliability_diagram(probs, labels, n_bins=10)
+    randomness = SeededRandomness(0, torch.device("cpu"))
+    almost_exact = private_validation_scores(diagram.bin_sums(), 1e-9, randomness)
+    assert almost_exact == pytest.approx({"accuracy": diagram.accuracy, "ece": diagram.ece})
+
+    one_less = reliability_diagram(probs[1:], labels[1:], n_bins=10).bin_sums()
+    assert np.linalg.norm(diagram.bin_sums() - one_less) <= VALIDATION_SCORE_SENSITIVITY
+
+    # one bin of 10,000 records, half correct: accuracy ~ 0.5 + (e_correct - e_count / 2) / N
+    sums = np.array([[10_000.0], [5_000.0], [6_000.0]])
+    accuracies = [
+        private_validation_scores(sums, 1.0, randomness)["accuracy"] for _ in range(2000)
+    ]
+    expected_std = 1.0 * VALIDATION_SCORE_SENSITIVITY * math.sqrt(1 + 0.5**2) / 10_000
+    assert np.std(accuracies) == pytest.approx(expected_std, rel=0.1)
+    assert np.mean(accuracies) == pytest.approx(0.5, abs=4 * expected_std / math.sqrt(2000))

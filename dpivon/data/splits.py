@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from dpivon.config import DatasetName
 from dpivon.data.arrays import ImageArrays, class_counts, stratified_indices
 from dpivon.data.cifar10 import load_cifar10
 from dpivon.data.synthetic import synthetic_cifar10
@@ -17,7 +19,7 @@ from dpivon.errors import DpivonError
 
 CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
-DATASETS: tuple[str, ...] = ("cifar10", "synthetic")
+DATASETS: tuple[str, ...] = get_args(DatasetName)
 
 
 def train_val_split(

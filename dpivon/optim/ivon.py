@@ -25,14 +25,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-HESSIAN_ESTIMATORS = ("price", "gradsq")
-CURVATURE_ESTIMATORS = ("per-step", "ema-corrected", "pooled", "shrinkage")
-CURVATURE_POOLS = ("tensor", "channel")
+from dpivon.optim.registry import (
+    CurvatureEstimator,
+    CurvaturePool,
+    HessianEstimator,
+    check_price_samples,
+)
+
+HESSIAN_ESTIMATORS: tuple[str, ...] = get_args(HessianEstimator)
+CURVATURE_ESTIMATORS: tuple[str, ...] = get_args(CurvatureEstimator)
+CURVATURE_POOLS: tuple[str, ...] = get_args(CurvaturePool)
 # E[max(Z^2 - 1, 0)] = 2 phi(1) for Z ~ N(0, 1): the mean of the per-step v_hat, in units of
 # the noise variance, on a coordinate whose true gradient is 0.
 CLAMPED_NOISE_MEAN = 2.0 * math.exp(-0.5) / math.sqrt(2.0 * math.pi)
@@ -510,6 +518,12 @@ class DPIVON(IVON):
       estimated from the momentum (the moving average of g_dp).
     """
 
+    # The last step's diagnostics, and whether the next step measures
+    # curvature_update_share (training sets it on every UPDATE_SHARE_EVERY-th step).
+    projected_fraction: float = 0.0
+    curvature_update_share: float = 0.0
+    track_update_share: bool = True
+
     def __init__(
         self,
         params,
@@ -525,11 +539,7 @@ class DPIVON(IVON):
         super().__init__(params, lr, ess, **ivon_kwargs)
         if grad_noise_std < 0:
             raise ValueError(f"grad_noise_std must be >= 0, got {grad_noise_std}")
-        if self.hess_approx == "price" and self.mc_samples != 1:
-            raise ValueError(
-                "DP-IVON with the price estimator needs mc_samples=1: the "
-                "private gradient is one average over all samples"
-            )
+        check_price_samples(self.hess_approx, self.mc_samples)
         if curvature_estimator not in CURVATURE_ESTIMATORS:
             raise ValueError(
                 f"curvature_estimator must be one of {CURVATURE_ESTIMATORS}, "
@@ -546,9 +556,6 @@ class DPIVON(IVON):
         self.curvature_estimator = curvature_estimator
         self.curvature_ema = curvature_ema
         self.curvature_pool = curvature_pool
-        self.projected_fraction = 0.0
-        self.curvature_update_share = 0.0
-        self.track_update_share = True  # compute curvature_update_share in the next step
         self._update_norms: list[Tensor] = []
         if curvature_estimator == "ema-corrected":
             for _, p in self._params():

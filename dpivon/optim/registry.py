@@ -17,7 +17,7 @@ import importlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
@@ -33,11 +33,35 @@ from dpivon.constraints import (
 if TYPE_CHECKING:
     import torch
 
+# The choices of DP-IVON's estimators (dpivon.optim.ivon dispatches on them): an estimator is
+# added here and there, nowhere else.
+HessianEstimator = Literal["price", "gradsq"]
+CurvatureEstimator = Literal["per-step", "ema-corrected", "pooled", "shrinkage"]
+CurvaturePool = Literal["tensor", "channel"]
+
+
+def check_price_samples(hess_approx: str, mc_samples: int) -> None:
+    """The price estimator multiplies g_dp by one posterior draw's noise: with one private
+    gradient per step (the average over all samples) it needs mc_samples == 1. The rule's one
+    home: the options model validates it, `DPIVON` for callers without a config."""
+    if hess_approx == "price" and mc_samples != 1:
+        raise ValueError(
+            f"DP-IVON with the price estimator needs mc_samples=1, got {mc_samples}: the "
+            "private gradient is one average over all samples"
+        )
+
 
 class OptimizerOptions(BaseModel):
-    """What every optimizer takes. ``lr`` and ``weight_decay`` default per optimizer."""
+    """What every optimizer takes. ``lr`` and ``weight_decay`` default per optimizer.
+
+    Every field but ``name`` is a constructor keyword of the optimizer class under the same
+    name, so an option is added by declaring it on its family's model (and taking it in the
+    class); ``optimizer_kwargs`` overrides only compute a keyword from fields.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # The noise-aware optimizers take the per-coordinate noise std sigma_p * C / b.
+    takes_grad_noise_std: ClassVar[bool] = False
 
     name: str
     lr: FinitePositiveFloat
@@ -49,11 +73,12 @@ class OptimizerOptions(BaseModel):
         return 1
 
     def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        """The constructor keywords of the optimizer class, besides the parameters.
-
-        ``grad_noise_std`` is sigma * C / b, which the noise-corrected estimators need.
-        """
-        return {"lr": self.lr, "weight_decay": self.weight_decay}
+        """The constructor keywords of the optimizer class, besides the parameters: every
+        option, and ``grad_noise_std`` (sigma * C / b) where the class takes it."""
+        kwargs = self.model_dump(exclude={"name"})
+        if self.takes_grad_noise_std:
+            kwargs["grad_noise_std"] = grad_noise_std
+        return kwargs
 
 
 class SGDOptions(OptimizerOptions):
@@ -66,43 +91,28 @@ class SGDOptions(OptimizerOptions):
             raise ValueError("nesterov needs momentum > 0")
         return self
 
-    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "weight_decay": self.weight_decay,
-            "nesterov": self.nesterov,
-        }
-
 
 class AdamOptions(OptimizerOptions):
     beta1: Rate = 0.9
     beta2: Rate
 
     def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            "lr": self.lr,
-            "betas": (self.beta1, self.beta2),
-            "weight_decay": self.weight_decay,
-        }
+        kwargs = super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std)
+        kwargs["betas"] = (kwargs.pop("beta1"), kwargs.pop("beta2"))  # torch's one argument
+        return kwargs
 
 
 class AdamBCOptions(AdamOptions):
+    takes_grad_noise_std = True
+
     # gamma' in max(v_hat - s^2, gamma'): keeps 1 / sqrt(v_corr) finite
     second_moment_floor: PositiveFloat
-
-    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
-            "grad_noise_std": grad_noise_std,
-            "second_moment_floor": self.second_moment_floor,
-        }
 
 
 class IVONOptions(OptimizerOptions):
     beta1: Rate = 0.9
     beta2: Rate
-    hess_approx: Literal["price", "gradsq"]
+    hess_approx: HessianEstimator
     hess_init: PositiveFloat
     ess: PositiveFloat | None = None  # None: the training-set size
     mc_samples: Count = 1
@@ -116,34 +126,19 @@ class IVONOptions(OptimizerOptions):
         return self.mc_samples
 
     def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            "lr": self.lr,
-            "ess": self.ess if self.ess is not None else float(dataset_size),
-            "hess_init": self.hess_init,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "weight_decay": self.weight_decay,
-            "mc_samples": self.mc_samples,
-            "hess_approx": self.hess_approx,
-            "clip_radius": self.clip_radius,
-            "debias": self.debias,
-            "rescale_lr": self.rescale_lr,
-            "hess_floor": self.hess_floor,
-        }
+        kwargs = super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std)
+        if kwargs["ess"] is None:
+            kwargs["ess"] = float(dataset_size)
+        return kwargs
 
 
 class DPIVONOptions(IVONOptions):
+    takes_grad_noise_std = True
+
     @model_validator(mode="after")
     def _one_sample_for_price(self) -> DPIVONOptions:
-        if self.hess_approx == "price" and self.mc_samples != 1:
-            raise ValueError(f"{self.name} (price estimator) supports mc_samples=1 only")
+        check_price_samples(self.hess_approx, self.mc_samples)
         return self
-
-    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
-            "grad_noise_std": grad_noise_std,
-        }
 
 
 class GradsqIVONOptions(DPIVONOptions):
@@ -151,18 +146,9 @@ class GradsqIVONOptions(DPIVONOptions):
     estimator is post-processing of g_dp: none costs privacy."""
 
     noise_correction: Bool = True
-    curvature_estimator: Literal["per-step", "ema-corrected", "pooled", "shrinkage"] = "per-step"
+    curvature_estimator: CurvatureEstimator = "per-step"
     curvature_ema: Rate = 0.99  # ema-corrected: the rate of g_dp^2's average
-    curvature_pool: Literal["tensor", "channel"] = "tensor"  # pooled and shrinkage
-
-    def optimizer_kwargs(self, *, dataset_size: int, grad_noise_std: float) -> dict[str, Any]:
-        return {
-            **super().optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std),
-            "noise_correction": self.noise_correction,
-            "curvature_estimator": self.curvature_estimator,
-            "curvature_ema": self.curvature_ema,
-            "curvature_pool": self.curvature_pool,
-        }
+    curvature_pool: CurvaturePool = "tensor"  # pooled and shrinkage
 
 
 @dataclass(frozen=True)
@@ -174,7 +160,6 @@ class OptimizerSpec:
     private: bool
     defaults: Mapping[str, Any] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)  # what the name itself decides
-    ivon: bool = False  # an IVON posterior: BMA evaluation, a logged posterior
 
 
 # IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
@@ -184,17 +169,17 @@ _DPIVON = "dpivon.optim.ivon:DPIVON"
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "dp-ivon-gradsq": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        GradsqIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": True},
     ),
     "dp-ivon-gradsq-uncorrected": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True, ivon=True,
+        GradsqIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": False},
     ),
     "dp-ivon": OptimizerSpec(
-        DPIVONOptions, _DPIVON, private=True, ivon=True,
+        DPIVONOptions, _DPIVON, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS}, fixed={"hess_approx": "price"},
     ),
     "dp-sgd": OptimizerSpec(
@@ -212,7 +197,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         defaults={"lr": 5e-6, "beta2": 0.999, "weight_decay": 0.0, "second_moment_floor": 1e-9},
     ),
     "ivon": OptimizerSpec(
-        IVONOptions, "dpivon.optim.ivon:IVON", private=False, ivon=True,
+        IVONOptions, "dpivon.optim.ivon:IVON", private=False,
         defaults={"lr": 0.2, "hess_approx": "price", **_IVON_DEFAULTS},
     ),
     "sgd": OptimizerSpec(

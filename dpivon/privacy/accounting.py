@@ -10,17 +10,16 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import get_args
 
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
+from dpivon.config import AccountantName, TrainConfig
+from dpivon.constraints import Epsilon, check_bound
 from dpivon.errors import DpivonError
 
-if TYPE_CHECKING:
-    from dpivon.config import TrainConfig
-
-ACCOUNTANTS = ("rdp", "prv")
+ACCOUNTANTS: tuple[str, ...] = get_args(AccountantName)
 # Bisection precision: calibrated sigma spends epsilon in [target - tol, target].
 EPSILON_TOLERANCE = 0.01
 # Above this a finite epsilon promises nothing (e^1000 bounds no odds), and Opacus's
@@ -121,8 +120,7 @@ def epsilon_spent(
 
 def check_budget(epsilon: float, delta: float, dataset_size: int | None = None) -> None:
     """Reject budgets that mean nothing: epsilon <= 0, delta outside (0, 1) or >= 1/N."""
-    if not epsilon > 0:
-        raise DpivonError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
+    check_bound(Epsilon, "epsilon", epsilon)
     if not 0 < delta < 1:
         raise DpivonError(f"delta must be in (0, 1), got {delta}")
     if dataset_size is not None:

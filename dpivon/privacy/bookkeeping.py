@@ -169,33 +169,12 @@ def _positions_gram(g: Tensor) -> Tensor:
     return torch.bmm(g.transpose(1, 2), g)
 
 
-def conv_per_example_weight_grads(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
-    """Per-example weight gradients (B, *weight.shape) in one grouped convolution: the B
-    examples become B groups of one convolution's weight-gradient kernel (no unfolding)."""
-    batch = len(a)
-    if batch == 0:
-        return a.new_zeros((0, *conv.weight.shape))
-    out_ch, in_ch, kh, kw = conv.weight.shape
-    weight = a.new_empty(1).expand(batch * out_ch, in_ch, kh, kw)  # only its shape is read
-    grads = torch.ops.aten.convolution_backward(
-        g.reshape(1, batch * out_ch, *g.shape[2:]),
-        a.reshape(1, batch * in_ch, *a.shape[2:]),
-        weight,
-        None,
-        conv.stride,
-        conv.padding,
-        conv.dilation,
-        False,
-        [0, 0],
-        batch,
-        [False, True, False],
-    )[1]
-    return grads.view(batch, out_ch, in_ch, kh, kw)
-
-
-def conv_weight_grad(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
-    """sum_i G_i U_i^T: the ordinary weight-gradient kernel."""
-    weight = a.new_empty(1).expand(conv.weight.shape)
+def _weight_grad_kernel(
+    a: Tensor, g: Tensor, conv: nn.Conv2d, weight_shape: tuple[int, ...], groups: int
+) -> Tensor:
+    """The weight gradient of a convolution with ``conv``'s geometry, input ``a`` and output
+    gradient ``g``: aten's backward kernel, asked for the weight gradient alone."""
+    weight = a.new_empty(1).expand(weight_shape)  # only its shape is read
     return torch.ops.aten.convolution_backward(
         g,
         a,
@@ -206,9 +185,31 @@ def conv_weight_grad(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
         conv.dilation,
         False,
         [0, 0],
-        1,
+        groups,
         [False, True, False],
     )[1]
+
+
+def conv_per_example_weight_grads(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
+    """Per-example weight gradients (B, *weight.shape) in one grouped convolution: the B
+    examples become B groups of one convolution's weight-gradient kernel (no unfolding)."""
+    batch = len(a)
+    if batch == 0:
+        return a.new_zeros((0, *conv.weight.shape))
+    out_ch, in_ch, kh, kw = conv.weight.shape
+    grads = _weight_grad_kernel(
+        a.reshape(1, batch * in_ch, *a.shape[2:]),
+        g.reshape(1, batch * out_ch, *g.shape[2:]),
+        conv,
+        (batch * out_ch, in_ch, kh, kw),
+        groups=batch,
+    )
+    return grads.view(batch, out_ch, in_ch, kh, kw)
+
+
+def conv_weight_grad(a: Tensor, g: Tensor, conv: nn.Conv2d) -> Tensor:
+    """sum_i G_i U_i^T: the ordinary weight-gradient kernel."""
+    return _weight_grad_kernel(a, g, conv, tuple(conv.weight.shape), groups=1)
 
 
 def scale_examples(g: Tensor, clip: Tensor) -> Tensor:

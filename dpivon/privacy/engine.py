@@ -23,8 +23,8 @@ in every one, and every one reads the clipped sum from ``p.summed_grad`` in ``ad
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, get_args
 
 import torch
 from opacus.accountants import IAccountant, create_accountant
@@ -35,11 +35,11 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
+from dpivon.config import EngineName, PerSampleEngine, check_engine_samples
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
     check_budget,
-    epsilon_spent,
     sampling_schedule,
 )
 from dpivon.privacy.bookkeeping import (
@@ -53,12 +53,8 @@ from dpivon.privacy.noise import NoiseFromRandomness, Randomness
 from dpivon.privacy.sampling import PoissonBatches
 
 # Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
-PER_SAMPLE_ENGINES = ("hooks", "functorch", "ew")
-# Engines that clip what one backward pass gives: they cannot average an example's
-# gradient over several MC samples before clipping (DPIVON needs p.grad_sample for that).
-ONE_BACKWARD_ENGINES = ("bk", "ghost")
-ENGINES = ("auto", *ONE_BACKWARD_ENGINES, *PER_SAMPLE_ENGINES)
-DEFAULT_ENGINE = "auto"
+PER_SAMPLE_ENGINES: tuple[str, ...] = get_args(PerSampleEngine)
+ENGINES: tuple[str, ...] = get_args(EngineName)
 # Layer types torch's ExpandedWeights (engine ew) has per-sample rules for.
 _EW_LAYERS = (
     nn.Linear,
@@ -105,14 +101,6 @@ class PrivacyPlan:
     def grad_noise_std(self) -> float:
         """Per-coordinate std of the noise in g_dp: sigma_p * C / b."""
         return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
-
-    def planned_epsilon(self) -> float:
-        return epsilon_spent(
-            self.noise_multiplier, self.sample_rate, self.steps, self.delta, self.accountant
-        )
-
-    def as_params(self) -> dict[str, float | int | str]:
-        return asdict(self)
 
 
 def plan_privacy(
@@ -169,7 +157,6 @@ class PrivateTraining:
     criterion: nn.Module
     loader: PoissonBatches
     accountant: IAccountant
-    randomness: Randomness
     plan: PrivacyPlan
     engine: str
 
@@ -184,22 +171,6 @@ class PrivateTraining:
     @property
     def steps_taken(self) -> int:
         return sum(steps for _, _, steps in self.accountant.history)
-
-    def recorded_sample_rates(self) -> set[float]:
-        """The sample rates the accountant recorded (one per distinct step kind)."""
-        return {rate for _, rate, _ in self.accountant.history}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Accountant history and the randomness's state (in secure mode its key: as
-        sensitive as the data), for resuming."""
-        return {
-            "accountant": self.accountant.state_dict(),
-            "randomness": self.randomness.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.accountant.load_state_dict(state["accountant"])
-        self.randomness.load_state_dict(state["randomness"])
 
 
 def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
@@ -217,12 +188,7 @@ def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
     bk_problems = unsupported_layers(model)
     if engine == "auto":
         return "bk" if not bk_problems and mc_samples == 1 else "hooks"
-    if engine in ONE_BACKWARD_ENGINES and mc_samples > 1:
-        raise DpivonError(
-            f"engine {engine} clips the gradients of one backward pass; mc_samples="
-            f"{mc_samples} needs each example's gradient averaged over the posterior samples "
-            "before clipping: use engine hooks, functorch or ew (auto picks hooks)"
-        )
+    check_engine_samples(engine, mc_samples)
     if engine == "bk" and bk_problems:
         raise DpivonError(
             "engine bk cannot clip these layers exactly: "
@@ -312,7 +278,7 @@ def make_private(
     labels: Tensor,
     plan: PrivacyPlan,
     *,
-    engine: str = DEFAULT_ENGINE,
+    engine: str = "auto",
     randomness: Randomness,
 ) -> PrivateTraining:
     """Wire ``model`` and ``optimizer`` for private training on (features, labels).
@@ -353,7 +319,6 @@ def make_private(
         criterion=criterion,
         loader=loader,
         accountant=accountant,
-        randomness=randomness,
         plan=plan,
         engine=engine,
     )

@@ -30,7 +30,7 @@ from rich.console import Console
 from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import evaluate
+from dpivon.evaluation import evaluate_as_configured
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.privacy.tuning import (
     TrialMechanism,
@@ -188,14 +188,7 @@ def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker
             with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
                 config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
             if not scored:
-                result = evaluate(
-                    model,
-                    data.test,
-                    posterior=posterior,
-                    bma_samples=config.evaluation.bma_samples,
-                    n_bins=config.evaluation.ece_bins,
-                    seed=config.runtime.seed,
-                )
+                result = evaluate_as_configured(config, model, data.test, posterior)
                 test = {f"test_{k}": v for k, v in result.metrics.items()}
                 tracker.log_metrics(row.run_id, test, step=config.training.epochs)
             if not modelled:

@@ -33,7 +33,7 @@ from dpivon.calibration import apply_temperature, fit_temperature
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import evaluate
+from dpivon.evaluation import evaluate_as_configured
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.paths import check_writable_folder
@@ -112,14 +112,7 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
     config = result.config
 
     def predictive(split):
-        return evaluate(
-            result.model,
-            split,
-            posterior=result.posterior,
-            bma_samples=config.evaluation.bma_samples,
-            n_bins=config.evaluation.ece_bins,
-            seed=config.runtime.seed,
-        )
+        return evaluate_as_configured(config, result.model, split, result.posterior)
 
     val, test = predictive(data.val), predictive(data.test)
     temperature = fit_temperature(val.probs, val.labels)

@@ -30,7 +30,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dpivon.metrics import ReliabilityDiagram, plot_reliability_diagram
+from dpivon.metrics import ReliabilityDiagram
+from dpivon.plots import plot_reliability_diagram
 from dpivon.study.aggregate import (
     Comparison,
     RunRecord,
