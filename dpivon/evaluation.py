@@ -188,7 +188,9 @@ def _images_per_s(
     model: nn.Module, params: Params, device: torch.device, plan: EvaluationPlan
 ) -> float:
     """Forward images per second (draws x images) of one call of ``plan``, after a warm-up."""
-    images = torch.randn(plan.batch_size, 3, 32, 32, device=device)
+    # zeros, not randn: measuring must not draw from the global generator, or a run that
+    # measures (the first on a machine) would train differently from one that reads the cache
+    images = torch.zeros(plan.batch_size, 3, 32, 32, device=device)
     draws = [params] * plan.draws_per_call
     _softmax_of_draws(model, draws, images, plan)  # kernels chosen, memory allocated
     if device.type == "cuda":

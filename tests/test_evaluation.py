@@ -90,6 +90,18 @@ def test_the_plan_is_measured_once_per_machine_and_read_back(tmp_path, monkeypat
     torch.testing.assert_close(bma(), channels_last, rtol=1e-5, atol=1e-6)
 
 
+def test_measuring_a_plan_draws_nothing_from_the_global_generator(tmp_path, monkeypatch):
+    """A run that measures the plan (the first on a machine) trains like one that reads it
+    from the cache: the measurement leaves torch's global generator where it was."""
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path))
+    model = build_model("small-cnn")
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    evaluation_plan(model)
+    assert (tmp_path / PLAN_CACHE_FILE).exists()  # it did measure
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_validation_uses_val_bma_samples_and_the_test_bma_samples():
     config = parse_config({**SMALL, "epochs": 1, "val_bma_samples": 1, "bma_samples": 3})
     data = load_data(config)
