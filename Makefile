@@ -1,4 +1,5 @@
-# Two commands do all the set-up: `make quickstart` (the main job) and `make test`.
+# Two commands do all the set-up: `make quickstart` (the main job) and `make test` (what CI
+# runs: everything). `make test-fast` skips the tests marked slow, for the edit loop.
 # `make clean` deletes the results (MLflow store, sweep folders) to start over; the venv stays
 # (`make clean-venv` removes it).
 PYTHON ?= python3.11
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 DPIVON_DATA ?= $(firstword $(wildcard ../shared/data/cifar10-jpeg.tar.gz))
 export DPIVON_DATA
 
-.PHONY: quickstart test lint venv ui clean clean-venv
+.PHONY: quickstart test test-fast lint venv ui clean clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +36,10 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow"
 
 ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000

@@ -5,6 +5,7 @@ report carries the sweep's front and tuning budget."""
 from __future__ import annotations
 
 import mlflow
+import pytest
 import ray
 import yaml
 from sweep_helpers import write_pipeline
@@ -16,6 +17,7 @@ from dpivon.study.benchmark import run_benchmark
 from dpivon.study.spec import load_benchmark
 
 
+@pytest.mark.slow
 def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
     smoke = yaml.safe_load(write_pipeline(tmp_path, name="tune").read_text())
     dp_sgd = [entry for entry in smoke["optimizers"] if entry["name"] == "dp-sgd"]

@@ -12,7 +12,6 @@ from matplotlib.figure import Figure
 
 from dpivon.metrics import (
     NLL_EPSILON,
-    ReliabilityDiagram,
     accuracy,
     brier_score,
     classification_metrics,
@@ -49,6 +48,23 @@ def _calibrated_sample(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.T
     probs = torch.softmax(2.0 * torch.randn(n, k, generator=gen), dim=1)
     labels = torch.multinomial(probs, 1, generator=gen).squeeze(1)
     return probs, labels
+
+
+def numpy_reliability(
+    probs: torch.Tensor, labels: torch.Tensor, n_bins: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Per-bin (count, accuracy, confidence) and ECE, binned in numpy independently of
+    dpivon: confidence c lands in bin ceil(n_bins c) - 1 (right-closed, 0 in bin 0)."""
+    p = probs.double().numpy()
+    confidence, correct = p.max(axis=1), p.argmax(axis=1) == labels.numpy()
+    bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
+    count = np.bincount(bins, minlength=n_bins)
+    with np.errstate(invalid="ignore"):  # empty bins: NaN, as in the diagram
+        acc = np.bincount(bins, weights=correct, minlength=n_bins) / count
+        conf = np.bincount(bins, weights=confidence, minlength=n_bins) / count
+    filled = count > 0
+    ece = np.sum(np.abs(acc - conf)[filled] * count[filled]) / len(p)
+    return count, acc, conf, float(ece)
 
 
 def test_accuracy_by_hand() -> None:
@@ -136,14 +152,16 @@ def test_confidence_at_lowest_edge_goes_to_first_bin() -> None:
     assert diagram.bin_accuracy[0] == pytest.approx(0.5)
 
 
-def test_ece_equals_sum_over_diagram() -> None:
+def test_ece_and_diagram_match_numpy_binning() -> None:
     probs, labels = _calibrated_sample(2_000, 4, seed=1)
     probs = torch.softmax(3.0 * probs.log(), dim=1)  # sharpen: overconfident, ECE clearly > 0
+    count, acc, conf, ece = numpy_reliability(probs, labels, n_bins=15)
     d = reliability_diagram(probs, labels, n_bins=15)
-    filled = d.bin_count > 0
-    by_hand = np.sum(np.abs(d.bin_accuracy - d.bin_confidence)[filled] * d.bin_count[filled])
-    assert d.bin_count.sum() == 2_000
-    assert expected_calibration_error(probs, labels, n_bins=15) == pytest.approx(by_hand / 2_000)
+    np.testing.assert_array_equal(d.bin_count, count)
+    np.testing.assert_allclose(d.bin_accuracy, acc, rtol=1e-12, err_msg="bin accuracy")
+    np.testing.assert_allclose(d.bin_confidence, conf, rtol=1e-12, err_msg="bin confidence")
+    assert ece > 0.05
+    assert expected_calibration_error(probs, labels, n_bins=15) == pytest.approx(ece, rel=1e-12)
 
 
 def test_perfectly_calibrated_predictions_have_small_ece() -> None:
@@ -199,12 +217,24 @@ def test_invalid_n_bins() -> None:
 def test_plot_reliability_diagram(tmp_path: Path) -> None:
     probs, labels = _calibrated_sample(5_000, 10, seed=3)
     probs = torch.softmax(2.0 * probs.log(), dim=1)
-    diagram = reliability_diagram(probs, labels)
-    assert isinstance(diagram, ReliabilityDiagram)
-    fig = plot_reliability_diagram(diagram, title="Overconfident synthetic model")
+    count, acc, conf, ece = numpy_reliability(probs, labels, n_bins=15)
+    fig = plot_reliability_diagram(reliability_diagram(probs, labels), title="Overconfident")
     assert isinstance(fig, Figure)
-    assert len(fig.axes) == 2
-    assert f"{100 * diagram.ece:.2f}%" in fig.axes[0].get_legend_handles_labels()[1][-1]
+    ax_rel, ax_hist = fig.axes
+    accuracy_bars, gap_bars = ax_rel.containers
+    filled = count > 0
+    # accuracy bars: each bin's accuracy (0 where empty); the gap spans accuracy to confidence
+    bar_heights = [bar.get_height() for bar in accuracy_bars]
+    np.testing.assert_allclose(bar_heights, np.where(filled, acc, 0.0), err_msg="accuracy bars")
+    gap_spans = [(bar.get_y(), bar.get_y() + bar.get_height()) for bar in gap_bars]
+    expected_spans = np.stack([np.minimum(acc, conf), np.maximum(acc, conf)], axis=1)[filled]
+    np.testing.assert_allclose(gap_spans, expected_spans, err_msg="gap bars")
+    (hist_bars,) = ax_hist.containers
+    np.testing.assert_allclose([bar.get_height() for bar in hist_bars], count / count.sum())
+    # the vertical lines: overall accuracy and mean confidence
+    overall = [np.sum(v[filled] * count[filled]) / count.sum() for v in (acc, conf)]
+    np.testing.assert_allclose([line.get_xdata()[0] for line in ax_hist.lines], overall)
+    assert f"{100 * ece:.2f}%" in ax_rel.get_legend_handles_labels()[1][-1]
     path = tmp_path / "reliability.png"
     fig.savefig(path, dpi=100)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -78,9 +78,11 @@ def run_reference(kwargs, batches, seed):
     return trajectory
 
 
-def run_ours(kwargs, batches, seed):
+def run_ours(kwargs, batches, seed, optimizer_class=IVON):
+    """``optimizer_class`` (dpivon's IVON, or a variant) over ``batches``: the trajectory of
+    (parameters, h, momentum) after each step, and the optimizer."""
     model = make_model()
-    opt = IVON(model.parameters(), **kwargs)
+    opt = optimizer_class(model.parameters(), **kwargs)
     torch.manual_seed(seed)
     trajectory = []
     for x, y in batches:
@@ -313,27 +315,14 @@ class MCMeanGradsqIVON(IVON):
         return gradsq_hessian(self.state[p]["avg_grad"].square(), group["ess"])
 
 
-def run_mc_mean_reference(kwargs, batches, seed):
-    model = make_model()
-    opt = MCMeanGradsqIVON(model.parameters(), **kwargs)
-    torch.manual_seed(seed)
-    trajectory = []
-    for x, y in batches:
-        ivon_step(opt, model, x, y, kwargs["mc_samples"])
-        opt.step()
-        trajectory.append(
-            (flat(model.parameters()), ours_state(opt, "hess"), ours_state(opt, "momentum"))
-        )
-    return trajectory
-
-
 def test_dpivon_without_noise_mc2_matches_ivon_on_the_mc_mean_gradient():
     kwargs = dict(lr=0.1, ess=16.0, hess_init=0.5, beta2=0.9, hess_approx="gradsq", mc_samples=2)
     batches = make_batches(5)
     private, _ = run_dpivon_fixed_batch(
         {**kwargs, "grad_noise_std": 0.0, "noise_correction": True}, batches, seed=13
     )
-    assert_trajectories_match(private, run_mc_mean_reference(kwargs, batches, seed=13), atol=1e-10)
+    mc_mean, _ = run_ours(kwargs, batches, seed=13, optimizer_class=MCMeanGradsqIVON)
+    assert_trajectories_match(private, mc_mean, atol=1e-10)
     # Against ivon-opt's gradsq (MC mean of squares): the gradient path is identical, so the
     # first momentum matches; the Hessian differs by ess * Var_s(g) only.
     reference = run_reference(kwargs, batches, seed=13)

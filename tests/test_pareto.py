@@ -9,7 +9,9 @@ import moocore
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.figure import Figure
 from matplotlib.image import imread
+from pareto_reference import brute_force_front
 from rich.console import Console
 from rich.table import Table
 
@@ -29,28 +31,6 @@ from dpivon.search.pareto import (
 
 OBJ = [("val_accuracy", "max"), ("val_ece", "min")]
 MODE_SETS = [("max", "min"), ("min", "min"), ("max", "max"), ("min", "max")]
-
-
-def brute_force_front(values: np.ndarray, modes) -> np.ndarray:
-    """O(n^2) reference: i is kept unless some j is >= as good everywhere and > somewhere."""
-    signs = [(-1 if m == "max" else 1) for m in modes]
-    pts = [[s * x for s, x in zip(signs, row, strict=True)] for row in values.tolist()]
-    keep = []
-    for i, p in enumerate(pts):
-        if any(np.isnan(p)):
-            keep.append(False)
-            continue
-        dominated = False
-        for j, q in enumerate(pts):
-            if j == i or any(np.isnan(q)):
-                continue
-            if all(a <= b for a, b in zip(q, p, strict=True)) and any(
-                a < b for a, b in zip(q, p, strict=True)
-            ):
-                dominated = True
-                break
-        keep.append(not dominated)
-    return np.array(keep, dtype=bool)
 
 
 def random_values(rng: np.random.Generator, n: int, k: int = 2, *, coarse: bool) -> np.ndarray:
@@ -389,12 +369,47 @@ def degenerate_trials() -> pd.DataFrame:
     return pd.concat([trials, extra], ignore_index=True)
 
 
-def test_plot_png(tmp_path):
+def test_plot_png(tmp_path, monkeypatch):
+    """Each epsilon's panel draws every trial and, per optimizer, the brute-force front of its
+    completed trials as a step line from the most accurate point: (a1, e1) (a2, e1) (a2, e2)..."""
+    saved = []
+    savefig = Figure.savefig
+
+    def keep_figure(fig, *args, **kwargs):  # the real savefig, with the figure kept to read
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_figure)
     path = tmp_path / "plots" / "fronts.png"
-    plot_fronts_png(degenerate_trials(), OBJ, path, "DP optimizers: accuracy vs ECE")
+    trials = degenerate_trials()
+    plot_fronts_png(trials, OBJ, path, "DP optimizers: accuracy vs ECE")
     image = imread(path)
-    assert path.stat().st_size > 10_000
     assert image.ndim == 3 and image.shape[1] > image.shape[0]
+    (fig,) = saved
+    panels = trials.groupby("epsilon", sort=True)
+    optimizers = sorted(trials["optimizer"].unique())
+    titles = ["epsilon = 1", "epsilon = 2", "epsilon = 8", "non-private (epsilon = inf)"]
+    assert [ax.get_title() for ax in fig.axes] == titles
+    fronts = 0
+    for ax, (_, panel) in zip(fig.axes, panels, strict=True):
+        drawn = np.concatenate([c.get_offsets() for c in ax.collections])
+        drawn = {tuple(xy) for xy in drawn if not np.isnan(xy).any()}
+        everything = panel[["val_accuracy", "val_ece"]].dropna().to_numpy()
+        assert drawn == {tuple(xy) for xy in everything}
+        lines = {line.get_color(): line for line in ax.lines}
+        for i, name in enumerate(optimizers):
+            done = panel[(panel.optimizer == name) & (panel.status == "completed")]
+            values = done[["val_accuracy", "val_ece"]].to_numpy()
+            front = sorted(map(tuple, values[brute_force_front(values, ("max", "min"))]),
+                           key=lambda p: (-p[0], p[1]))
+            steps = [p for a, b in itertools.pairwise(front) for p in (a, (b[0], a[1]))]
+            steps += front[-1:]
+            np.testing.assert_array_equal(
+                lines[f"C{i}"].get_xydata().reshape(-1, 2), np.array(steps).reshape(-1, 2),
+                err_msg=f"front of {name}",
+            )
+            fronts += len(front) > 0
+    assert fronts > len(fig.axes)  # more than one optimizer's front per panel
 
 
 def test_plot_png_single_point_and_no_epsilon(tmp_path):

@@ -38,6 +38,23 @@ def flat(tensors):
     return torch.cat([t.detach().flatten() for t in tensors])
 
 
+# A valid budget: the baseline of the plans below
+VALID = dict(
+    target_epsilon=8.0,
+    delta=1e-5,
+    max_grad_norm=1.0,
+    accountant="rdp",
+    dataset_size=1000,
+    batch_size=100,
+    epochs=2,
+)
+
+
+def plan_for(**changes) -> PrivacyPlan:
+    """`plan_privacy` for the VALID budget with ``changes``."""
+    return plan_privacy(**{**VALID, **changes})
+
+
 # --- 3. the noise in g_dp and its correction -----------------------------------------------
 
 
@@ -47,14 +64,8 @@ def test_noise_correction_is_unbiased_under_real_opacus_noise():
     Per coordinate, E[g_dp^2] = g^2 + (sigma C / b)^2, so g_dp^2 - (sigma C / b)^2 is an
     unbiased estimate of g^2 (g = clipped sum / b) and the plain g_dp^2 is biased upwards.
     """
-    plan = plan_privacy(
-        target_epsilon=2.0,
-        delta=1e-3,
-        max_grad_norm=2.5,
-        accountant="rdp",
-        dataset_size=100,
-        batch_size=10,
-        epochs=1,
+    plan = plan_for(
+        target_epsilon=2.0, delta=1e-3, max_grad_norm=2.5, dataset_size=100, batch_size=10, epochs=1
     )
     assert plan.expected_batch_size == 10 and plan.noise_multiplier > 0.5
     sigma, clip, b = plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size
@@ -190,15 +201,8 @@ def test_unaveraged_mc_gradients_would_break_the_bound():
 def test_plan_privacy_spends_the_target_epsilon(
     accountant, dataset_size, batch_size, epochs, target_epsilon
 ):
-    plan = plan_privacy(
-        target_epsilon=target_epsilon,
-        delta=1e-5,
-        max_grad_norm=1.0,
-        accountant=accountant,
-        dataset_size=dataset_size,
-        batch_size=batch_size,
-        epochs=epochs,
-    )
+    sizes = dict(dataset_size=dataset_size, batch_size=batch_size, epochs=epochs)
+    plan = plan_for(target_epsilon=target_epsilon, accountant=accountant, **sizes)
     # q = b / N exactly (not Opacus's loader rate 1 / int(1 / q)); an epoch is ceil(N / b).
     assert plan.sample_rate == batch_size / dataset_size
     assert plan.steps == epochs * math.ceil(dataset_size / batch_size)
@@ -214,15 +218,8 @@ def test_plan_privacy_spends_the_target_epsilon(
 @pytest.mark.parametrize(("accountant", "mc_samples"), [("rdp", 1), ("prv", 1), ("rdp", 2)])
 def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_samples):
     dataset_size, batch_size, epochs, target = 200, 20, 2, 4.0
-    plan = plan_privacy(
-        target_epsilon=target,
-        delta=1e-4,
-        max_grad_norm=1.0,
-        accountant=accountant,
-        dataset_size=dataset_size,
-        batch_size=batch_size,
-        epochs=epochs,
-    )
+    sizes = dict(dataset_size=dataset_size, batch_size=batch_size, epochs=epochs)
+    plan = plan_for(target_epsilon=target, delta=1e-4, accountant=accountant, **sizes)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(dataset_size, N_IN, generator=gen)
     y = torch.randint(0, N_OUT, (dataset_size,), generator=gen)
@@ -257,15 +254,7 @@ def test_make_private_spends_the_planned_epsilon_end_to_end(accountant, mc_sampl
 
 
 def test_non_private_budget_means_no_noise():
-    plan = plan_privacy(
-        target_epsilon=math.inf,
-        delta=1e-5,
-        max_grad_norm=1.0,
-        accountant="rdp",
-        dataset_size=1000,
-        batch_size=100,
-        epochs=3,
-    )
+    plan = plan_for(target_epsilon=math.inf, epochs=3)
     assert plan.noise_multiplier == 0.0
     assert plan.grad_noise_std == 0.0
     assert epsilon_spent(plan.noise_multiplier, plan.sample_rate, plan.steps, 1e-5) == math.inf
@@ -274,26 +263,7 @@ def test_non_private_budget_means_no_noise():
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 def test_unreachable_budget_raises(accountant):
     with pytest.raises(DpivonError, match="the smallest the"):
-        plan_privacy(
-            target_epsilon=1e-6,
-            delta=1e-5,
-            max_grad_norm=1.0,
-            accountant=accountant,
-            dataset_size=1000,
-            batch_size=100,
-            epochs=50,
-        )
-
-
-VALID = dict(
-    target_epsilon=8.0,
-    delta=1e-5,
-    max_grad_norm=1.0,
-    accountant="rdp",
-    dataset_size=1000,
-    batch_size=100,
-    epochs=2,
-)
+        plan_for(target_epsilon=1e-6, accountant=accountant, epochs=50)
 
 
 @pytest.mark.parametrize(
@@ -315,12 +285,12 @@ VALID = dict(
 )
 def test_invalid_budgets_raise(override, message):
     with pytest.raises(DpivonError, match=message):
-        plan_privacy(**{**VALID, **override})
+        plan_for(**override)
 
 
 def test_valid_reference_budget_is_accepted():
     """The baseline of the invalid cases above is itself valid."""
-    assert isinstance(plan_privacy(**VALID), PrivacyPlan)
+    assert isinstance(plan_for(), PrivacyPlan)
 
 
 # --- the Gaussian mechanism on validation scores ----------------------------------------------

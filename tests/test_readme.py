@@ -26,6 +26,7 @@ def runnable_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)  # a few CLI runs: about 2 min on an idle 2-core machine
 def test_readme_examples_run(tmp_path):
     blocks = runnable_blocks((ROOT / "README.md").read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,15 @@ def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def one_line_refusal(load: Callable[[Path], object], path: Path) -> str:
+    """The message with which ``load`` refuses ``path``: one line that names the file."""
+    with pytest.raises(DpivonError) as info:
+        load(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
 
 
 # -- the shipped files -------------------------------------------------------------------------
@@ -405,23 +415,27 @@ def test_bad_space_is_one_clear_error(tmp_path, case):
     if not text.startswith("optimizer"):
         optimizer = "dp-ivon-gradsq" if case == "estimator-contradiction" else "dp-sgd"
         text = f"optimizer: {optimizer}\n{text}\n"
-    path = _write(tmp_path / f"{case}.yaml", text)
-    with pytest.raises(DpivonError) as info:
-        load_search_space(path)
-    message = str(info.value)
-    assert str(path) in message and "\n" not in message
+    message = one_line_refusal(load_search_space, _write(tmp_path / f"{case}.yaml", text))
     assert expected in message, message
 
 
-def test_space_file_errors(tmp_path):
+@pytest.mark.parametrize(
+    ("load", "not_yaml", "not_a_mapping"),
+    [
+        (load_search_space, "optimizer: dp-sgd\nparams: {lr: [1, \n", "- optimizer: dp-sgd\n"),
+        (load_pipeline, "name: x\nepsilons: [8\n", "just text\n"),
+    ],
+    ids=["space", "pipeline"],
+)
+def test_file_errors(tmp_path, load, not_yaml, not_a_mapping):
     with pytest.raises(DpivonError, match="file not found"):
-        load_search_space(tmp_path / "missing.yaml")
-    bad = _write(tmp_path / "bad.yaml", "optimizer: dp-sgd\nparams: {lr: [1, \n")
+        load(tmp_path / "missing.yaml")
+    bad = _write(tmp_path / "bad.yaml", not_yaml)
     with pytest.raises(DpivonError, match=r"bad.yaml is not valid YAML \(line"):
-        load_search_space(bad)
-    listed = _write(tmp_path / "list.yaml", "- optimizer: dp-sgd\n")
+        load(bad)
+    other = _write(tmp_path / "other.yaml", not_a_mapping)
     with pytest.raises(DpivonError, match="must hold a YAML mapping"):
-        load_search_space(listed)
+        load(other)
 
 
 # -- pipelines ---------------------------------------------------------------------------------
@@ -686,10 +700,7 @@ def test_a_space_may_not_set_what_the_pipeline_owns(tmp_path, key, value):
     data = _pipeline_dict()
     data["optimizers"][0]["space"] = "owning.yaml"
     path = _write_pipeline(tmp_path, data)
-    with pytest.raises(DpivonError) as info:
-        load_pipeline(path)
-    message = str(info.value)
-    assert "\n" not in message and str(path) in message, message
+    message = one_line_refusal(load_pipeline, path)
     assert f"params.{key}: {key} is set by the pipeline" in message, message
 
 
@@ -699,23 +710,8 @@ def test_bad_pipeline_is_one_clear_error(tmp_path, case):
     data = _pipeline_dict()
     change(data)
     _write(tmp_path / "pipes/bad-space.yaml", "optimizer: dp-adam\nparams: {lrr: 1.0}\n")
-    path = _write_pipeline(tmp_path, data)
-    with pytest.raises(DpivonError) as info:
-        load_pipeline(path)
-    message = str(info.value)
-    assert str(path) in message and "\n" not in message
+    message = one_line_refusal(load_pipeline, _write_pipeline(tmp_path, data))
     assert expected in message, message
-
-
-def test_pipeline_file_errors(tmp_path):
-    with pytest.raises(DpivonError, match="file not found"):
-        load_pipeline(tmp_path / "missing.yaml")
-    bad = _write(tmp_path / "bad.yaml", "name: x\nepsilons: [8\n")
-    with pytest.raises(DpivonError, match=r"bad.yaml is not valid YAML \(line"):
-        load_pipeline(bad)
-    scalar = _write(tmp_path / "scalar.yaml", "just text\n")
-    with pytest.raises(DpivonError, match="must hold a YAML mapping"):
-        load_pipeline(scalar)
 
 
 # -- trial counts ------------------------------------------------------------------------------

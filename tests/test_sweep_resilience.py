@@ -43,6 +43,7 @@ def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str
     pytest.fail(f"the sweep did not reach {what} in time")
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
     path = write_pipeline(tmp_path, name="killed", concurrency=1, scheduler={"type": "none"})
     pipeline = load_pipeline(path)

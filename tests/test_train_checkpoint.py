@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
@@ -30,6 +31,7 @@ def _result(path) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_one(tmp_path):
     whole = _train(tmp_path, "--json", "whole.json", "--tracking-uri", "sqlite:///whole.db")
     assert whole.returncode == 0, whole.stderr[-2000:]

@@ -17,6 +17,7 @@ from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
 from dpivon.data import CIFAR10_CLASSES
 from dpivon.errors import DpivonError
+from dpivon.models import build_model
 from dpivon.optim.registry import OPTIMIZERS
 from dpivon.training import TrainingDiverged, load_data, train
 
@@ -87,11 +88,19 @@ def test_cli_trains_every_optimizer(tmp_path, optimizer):
         "--json",
         str(out),
         "--no-log-model",
+        "--checkpoint",
+        str(tmp_path / "run.ckpt"),
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     assert summary.keys() >= REQUIRED_KEYS
     assert summary["optimizer"] == optimizer
+    # Every weight tensor left its initialisation (the seed-0 model the run started from).
+    training.seed_everything(0)
+    initial = build_model("small-cnn").state_dict()
+    trained = torch.load(tmp_path / "run.ckpt", weights_only=False)["training"]["model"]
+    unmoved = [name for name, p in initial.items() if torch.equal(trained[name], p)]
+    assert trained.keys() == initial.keys() and not unmoved, f"weights that did not move: {unmoved}"
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(summary["mlflow_run_id"])
     # Values, not ranges: accuracy is a count over the synthetic test images, and what
