@@ -434,7 +434,7 @@ def sweep(
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
     from dpivon.search.pipeline import load_pipeline
-    from dpivon.search.sweep import SweepInterrupted, run_sweep, sweep_storage
+    from dpivon.search.sweep import SweepInterrupted, run_sweep
 
     loaded = load_pipeline(pipeline)
     try:
@@ -450,7 +450,7 @@ def sweep(
     counts = "" if loaded.hides_trial_count else f": {trials['status'].value_counts().to_dict()}"
     console.print(
         f"sweep {loaded.name!r} finished{counts}; results in "
-        f"{sweep_storage(loaded).uri}; open the MLflow UI with `make ui`"
+        f"{loaded.storage.uri}; open the MLflow UI with `make ui`"
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -383,7 +384,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     note = parent.data.tags["mlflow.note.content"]
     assert "| method | eps | seeds |" in note and "epsilon 8:" in note
     assert "test_accuracy.eps8.dp-sgd" in parent.data.metrics
-    page = (pipeline.directory / "report" / "report.html").read_text()
+    page = pipeline.storage.read_text("report/report.html")
     assert "data:image/png;base64," in page
 
 
@@ -417,10 +418,10 @@ def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark)
     trains nothing and leaves its files (plots aside), runs, metric histories and artifacts
     as they were."""
     tmp_path, pipeline, _ = finished_benchmark
-    before = store_snapshot(tmp_path, pipeline.experiment, pipeline.directory)
+    before = store_snapshot(tmp_path, pipeline.experiment, Path(pipeline.storage.path))
     for _ in range(2):
         result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
         assert result.exit_code == 0, result.output
         assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
-        assert store_snapshot(tmp_path, pipeline.experiment, pipeline.directory) == before
+        assert store_snapshot(tmp_path, pipeline.experiment, Path(pipeline.storage.path)) == before
     assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])

@@ -79,6 +79,6 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         float(r.data.params["lr"]) for r in trials if r.data.metrics["val_accuracy"] == best
     }
     parent = next(r for r in runs if r.data.tags.get("dpivon.kind") == "benchmark")
-    report = (benchmark.directory / "report" / "report.md").read_text()
+    report = benchmark.storage.read_text("report/report.md")
     assert "Pareto fronts of the tuning sweeps" in report
     assert parent.info.status == "FINISHED"

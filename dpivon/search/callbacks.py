@@ -19,9 +19,9 @@ from ray import tune
 from rich.console import Console
 
 from dpivon.errors import DpivonError
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus, child_runs
 from dpivon.search.space import SearchSpace
-from dpivon.search.storage import SweepStorage
 from dpivon.search.trial import (
     COMPLETE,
     DIVERGED,

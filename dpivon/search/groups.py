@@ -30,11 +30,12 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from dpivon.data import DataSplits
+from dpivon.orchestration.run_file import Resources
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
-from dpivon.search.pipeline import Pipeline, Resources
+from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import BUDGET_TAG, GROUP_TAG, TRIAL_EPSILON_TAG, group_name
 from dpivon.search.space import SearchSpace
-from dpivon.search.storage import SweepStorage
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, run_trial
 
 

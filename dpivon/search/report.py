@@ -31,6 +31,7 @@ from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate
+from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.privacy.tuning import (
     TrialMechanism,
@@ -51,7 +52,6 @@ from dpivon.search.pareto import (
 )
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import TrialStatus, group_name, trials_table
-from dpivon.search.storage import SweepStorage, local_copy
 from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking import Tracker, has_logged_model, load_checkpoint, log_model
 

@@ -42,7 +42,7 @@ from dpivon.study.aggregate import (
 from dpivon.tracking import Tracker
 
 if TYPE_CHECKING:
-    from dpivon.search.storage import SweepStorage
+    from dpivon.orchestration.storage import SweepStorage
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"

@@ -47,12 +47,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -68,19 +66,20 @@ from dpivon.config import (
 from dpivon.constraints import Bound, Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
-from dpivon.privacy.accounting import check_plan_reachable
-from dpivon.search.pipeline import (
+from dpivon.orchestration.run_file import (
     CONCURRENCY_WHY,
     MAX_CONCURRENCY,
+    Epsilons,
     RunFile,
+    StrictModel,
     as_list,
+    distinct,
     group_budget,
     train_extras,
 )
+from dpivon.orchestration.storage import SweepStorage
+from dpivon.privacy.accounting import check_plan_reachable
 from dpivon.search.trial import trial_seed
-
-if TYPE_CHECKING:
-    from dpivon.search.storage import SweepStorage
 
 MIN_SEEDS = 3
 PICKS = ("knee", "max-accuracy", "min-ece")
@@ -90,11 +89,7 @@ _METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 TrainExtras = Annotated[dict[str, Any], BeforeValidator(train_extras)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Method(_Strict):
+class Method(StrictModel):
     """One compared method: an optimizer with fixed settings, or a sweep's pick."""
 
     name: str
@@ -143,25 +138,19 @@ class BenchmarkPipeline(RunFile):
     kind: ClassVar[str] = "benchmark"
     noun: ClassVar[str] = "benchmark"
 
-    epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)]
-    seeds: Annotated[list[Int], BeforeValidator(as_list)]
+    epsilons: Epsilons
+    seeds: Annotated[
+        list[Annotated[Int, Bound(ge=0)]], BeforeValidator(as_list), distinct("seeds")
+    ]
     split_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
-    methods: list[Method] = Field(min_length=1)
+    methods: Annotated[
+        list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
+    ]
     concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] = 2
     run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
     _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
-
-    @field_validator("epsilons")
-    @classmethod
-    def _check_epsilons(cls, epsilons: list[float]) -> list[float]:
-        for eps in epsilons:
-            if not eps > 0:  # also rejects nan
-                raise ValueError(f"every epsilon must be > 0 (.inf = no noise), got {eps}")
-        if len(set(epsilons)) != len(epsilons):
-            raise ValueError(f"epsilons must be distinct, got {epsilons}")
-        return epsilons
 
     @field_validator("seeds")
     @classmethod
@@ -171,18 +160,7 @@ class BenchmarkPipeline(RunFile):
                 f"give at least {MIN_SEEDS} seeds (the report states the spread over seeds), "
                 f"got {len(seeds)}"
             )
-        if len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ValueError(f"seeds must be distinct and >= 0, got {seeds}")
         return seeds
-
-    @field_validator("methods")
-    @classmethod
-    def _check_methods(cls, methods: list[Method]) -> list[Method]:
-        names = [m.name for m in methods]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"method name {', '.join(twice)} used more than once; rename one")
-        return methods
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -226,11 +204,6 @@ class BenchmarkPipeline(RunFile):
         found = [resolve_sweep(m.from_sweep) for m in self.methods if m.from_sweep]
         return list({s.uri: s for s in found}.values())
 
-    @property
-    def directory(self) -> Path:
-        """``<storage_path>/<name>``: the state file and the report."""
-        return Path(self.storage_path).expanduser().resolve() / self.name
-
     def base_config(self, method: Method, epsilon: float, replicate: int) -> dict[str, Any]:
         """The TrainConfig keys the benchmark sets for one run (before a sweep's pick)."""
         config = {
@@ -248,7 +221,8 @@ def _tuned_configs(
     """Per epsilon: (the sweep's picked config as a mapping, its provenance) and the number
     of trials its group ran."""
     from dpivon.search.export import export_configs, load_results, resolve_sweep
-    from dpivon.search.sweep import SweepState, group_name
+    from dpivon.search.results import group_name
+    from dpivon.search.sweep import SweepState
 
     prefix = f"invalid {where}: method {method.name} (from_sweep {method.from_sweep})"
     try:
@@ -299,8 +273,7 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
         pipeline = BenchmarkPipeline.model_validate(data)
     except ValidationError as err:
         raise DpivonError(f"invalid {where}: {format_validation_error(err)}") from None
-    pipeline._path = path
-    pipeline._source_text = path.read_text()
+    pipeline.set_source(path)
 
     runs: list[RunSpec] = []
     budgets: dict[tuple[str, float], int] = {}
