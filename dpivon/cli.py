@@ -296,7 +296,8 @@ def train(
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.tracking import Tracker, log_training_result
+    from dpivon.tracking.client import Tracker
+    from dpivon.tracking.training_run import log_training_result
     from dpivon.training import (
         NOT_COVERED_METRICS,
         EpochCheckpoint,
@@ -623,7 +624,7 @@ def audit(
     from dpivon.audit import audit_config, check_canaries, run_audit
     from dpivon.config import PRIVATE_OPTIMIZERS
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.tracking import Tracker
+    from dpivon.tracking.client import Tracker
     from dpivon.training import resolve_device
 
     optimizer = config_values.get("optimizer")
@@ -713,7 +714,7 @@ def predict(
     """Classify images with a logged model: class, probability, entropy (and, for the IVON
     family, the mutual information across posterior draws) per image."""
     from dpivon.data.images import read_images
-    from dpivon.tracking import load_pyfunc
+    from dpivon.tracking.served_model import load_pyfunc
 
     names, batch = read_images(images)  # bad files fail before the model loads
     model = load_pyfunc(model_uri, tracking_uri)

@@ -29,7 +29,7 @@ from dpivon.study.benchmark import run_benchmark, score_on_test
 from dpivon.study.layout import KEY_TAG, STATUS_TAG
 from dpivon.study.report import build_report, verdict_lines, write_report
 from dpivon.study.spec import load_benchmark
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import load_data, train
 
 runner = CliRunner()

@@ -21,7 +21,7 @@ from dpivon.search.export import export_configs, load_results, resolve_sweep, tr
 from dpivon.search.report import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.sweep import SweepState
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import train
 
 

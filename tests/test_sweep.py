@@ -30,7 +30,7 @@ from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
 from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
-from dpivon.tracking import load_checkpoint
+from dpivon.tracking.checkpoints import load_checkpoint
 from dpivon.training import load_data, train
 
 runner = CliRunner()

@@ -55,7 +55,7 @@ import pyarrow.fs as pafs
 
 from dpivon.errors import DpivonError
 from dpivon.paths import check_writable_folder
-from dpivon.tracking import redact_uri
+from dpivon.tracking.client import redact_uri
 
 __all__ = ["SweepStorage", "local_copy", "open_uri"]
 

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage
-from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus, child_runs
+from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import (
     COMPLETE,
@@ -29,7 +29,7 @@ from dpivon.search.trial import (
     GROUP_KEY,
     trial_train_config,
 )
-from dpivon.tracking import REDACTED, Tracker, check_tracking_server, redact_uri
+from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.
 TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
@@ -134,7 +134,8 @@ class MlflowTrialLogger(tune.Callback):
             self._tracker = Tracker(self._real_uri(), self.experiment)
             # After a resume the trial -> run mapping comes from MLflow itself, so a trial
             # that runs again reuses its run instead of getting a duplicate.
-            self.run_ids = child_runs_by_trial(self._tracker, self.parent_run_id)
+            runs = self._tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG)
+            self.run_ids = {trial: run.info.run_id for trial, run in runs.items()}
         return self._tracker
 
     # --- the queue ----------------------------------------------------------------------
@@ -154,7 +155,7 @@ class MlflowTrialLogger(tune.Callback):
                 tracker.log_params(run_id, write["params"])
                 self.run_ids[trial_id] = run_id
             else:
-                tracker.client.update_run(run_id, status="RUNNING")  # a resumed trial
+                tracker.set_run_status(run_id, "RUNNING")  # a resumed trial
             return
         run_id = self.run_ids[trial_id]  # its "start" write went out before this one
         if write["op"] == "metrics":
@@ -281,11 +282,6 @@ def trial_error(trial) -> str:
         return lines[-1][:2000] if lines else str(error_file)
     except (OSError, TypeError):
         return "failed (see the Ray trial logs)"
-
-
-def child_runs_by_trial(tracker: Tracker, parent_run_id: str) -> dict[str, str]:
-    runs = child_runs(tracker, parent_run_id)
-    return {r.data.tags[TRIAL_TAG]: r.info.run_id for r in runs if TRIAL_TAG in r.data.tags}
 
 
 # What became of a trial, as the progress line counts it.

@@ -53,7 +53,9 @@ from dpivon.search.pareto import (
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import TrialStatus, group_name, trials_table
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import Tracker, has_logged_model, load_checkpoint, log_model
+from dpivon.tracking.checkpoints import load_checkpoint
+from dpivon.tracking.client import Tracker
+from dpivon.tracking.served_model import log_model
 
 TRIALS_FILE = "trials.csv"
 FRONT_FILE = "pareto_front.csv"
@@ -183,7 +185,7 @@ def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker
     finished sweep) evaluates and logs nothing twice."""
     for row in front.itertuples():
         scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
-        modelled = has_logged_model(tracker, row.run_id)
+        modelled = tracker.has_logged_model(row.run_id)
         if not (scored and modelled):
             with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
                 config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)

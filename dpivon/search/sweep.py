@@ -48,9 +48,9 @@ from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.report import report_sweep, solve_trial_epsilons
-from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, group_name
 from dpivon.search.trial import RESUME_FILE
-from dpivon.tracking import Tracker
+from dpivon.tracking.client import Tracker
 from dpivon.training import load_data
 
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
@@ -123,7 +123,7 @@ def _run_trials(
 def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
     """Whether MLflow records an outcome for every trial of every group (a trial's outcome
     is its last write): a finished sweep, whose resume restores nothing of Tune's."""
-    runs = child_runs(tracker, parent_run_id)
+    runs = tracker.child_runs(parent_run_id)
     ended = Counter(
         run.data.tags.get(GROUP_TAG)
         for run in runs
@@ -230,7 +230,7 @@ class StopWhenSaved(tune.Callback):
 
 def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
     """The child runs an interruption left RUNNING end KILLED (a resume reopens them)."""
-    for run in child_runs(tracker, parent_run_id):
+    for run in tracker.child_runs(parent_run_id):
         if run.info.status == "RUNNING":
             tracker.end_run(run.info.run_id, "KILLED")
 

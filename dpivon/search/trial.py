@@ -25,7 +25,7 @@ from dpivon.logs import quiet_known_output
 from dpivon.process import configure_process
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import EpochReport, TrainingDiverged, released_metrics, train
 
 RESUME_FILE = "resume.pt"

@@ -49,12 +49,12 @@ from dpivon.study.layout import (
     KIND,
     RELIABILITY_FILE,
     STATUS_TAG,
-    child_runs,
     is_completed,
 )
 from dpivon.study.report import Report, build_report, log_report, write_report
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
-from dpivon.tracking import Tracker, log_training_result
+from dpivon.tracking.client import Tracker
+from dpivon.tracking.training_run import log_training_result
 from dpivon.training import TrainResult, load_data, released_metrics, train
 
 REPORT_DIR = "report"
@@ -168,7 +168,7 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
     if existing is not None:
         run_id = existing.info.run_id
         tracker.set_tags(run_id, {STATUS_TAG: "running", "error": ""})
-        tracker.client.update_run(run_id, status="RUNNING")
+        tracker.set_run_status(run_id, "RUNNING")
         return run_id
     run_id = tracker.start_run(
         f"{spec.method}-eps{spec.epsilon:g}-seed{spec.replicate}",
@@ -223,7 +223,7 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
                 "start over"
             )
         state = BenchmarkState.load(storage)
-        tracker.client.update_run(state.parent_run_id, status="RUNNING")
+        tracker.set_run_status(state.parent_run_id, "RUNNING")
         return state.parent_run_id
     if resume:
         console.print(
@@ -420,7 +420,7 @@ def run_benchmark(
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
-    existing = child_runs(tracker, parent)
+    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
     todo = _pending_runs(pipeline, existing)
     outcome = BenchmarkOutcome(parent, tracker, skipped=len(pipeline.runs) - len(todo))
     console.print(

@@ -39,7 +39,7 @@ from dpivon.study.aggregate import (
     records_frame,
     verdict_epsilons,
 )
-from dpivon.tracking import Tracker
+from dpivon.tracking.client import Tracker
 
 if TYPE_CHECKING:
     from dpivon.orchestration.storage import SweepStorage
