@@ -470,7 +470,7 @@ def benchmark(
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""
     from dpivon.study.benchmark import run_benchmark
-    from dpivon.study.report import results_rows
+    from dpivon.study.benchmark_report import results_rows
     from dpivon.study.spec import load_benchmark
 
     loaded = load_benchmark(pipeline)
@@ -511,7 +511,7 @@ def pareto(
 ) -> None:
     """Print a finished sweep's Pareto fronts (validation; test for members) and plot them."""
     from dpivon.search.export import load_results, resolve_sweep
-    from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
+    from dpivon.search.pareto_views import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
     if out is not None:

@@ -26,8 +26,8 @@ from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.study.aggregate import RunRecord, aggregate, compare
 from dpivon.study.benchmark import run_benchmark, score_on_test
+from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG
-from dpivon.study.report import build_report, verdict_lines, write_report
 from dpivon.study.spec import load_benchmark
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import load_data, train

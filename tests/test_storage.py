@@ -18,8 +18,8 @@ from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.privacy.tuning import SweepConditions, TrialMechanism, tuning_privacy_report
 from dpivon.search.export import export_configs, load_results, resolve_sweep, trial_config
-from dpivon.search.report import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.sweep import SweepState
+from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import train

@@ -12,7 +12,9 @@ releases more than one trial's epsilon:
   costs the Papernot & Steinke repeat-and-select bound, far less than K-fold composition.
   A fixed K gets no such discount.
 
-All numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-derived here.
+Before a sweep with a total budget, :func:`solve_trial_epsilon_within` finds what each
+trial may spend; after it, :func:`tuning_privacy_report` states what the trials cost. All
+numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-derived here.
 """
 
 from __future__ import annotations
@@ -470,3 +472,20 @@ def solve_trial_epsilon(
             "trials, or raise the total budget"
         )
     return low
+
+
+def solve_trial_epsilon_within(
+    total_epsilon: float,
+    candidates_at: Callable[[float], Sequence[TrialMechanism]],
+    delta: float,
+    conditions: SweepConditions,
+    num_trials: int,
+) -> float:
+    """The pre-sweep accounting of a total budget: the largest epsilon each of a group's
+    ``num_trials`` trials may target such that the quoted tuning epsilon, worst case over
+    ``candidates_at(eps)`` (every mechanism the search space produces at eps, see
+    :func:`candidate_mechanisms`), is at most ``total_epsilon``."""
+    return solve_trial_epsilon(
+        total_epsilon,
+        lambda eps: worst_case_tuning_epsilon(candidates_at(eps), delta, conditions, num_trials),
+    )

@@ -34,8 +34,8 @@ from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.report import FRONT_FILE, PRIVATE_TUNING_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.sweep import SweepState
+from dpivon.search.sweep_files import FRONT_FILE, PRIVATE_TUNING_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
 
 DEFAULT_STORAGE = "dpivon-runs"

@@ -90,6 +90,7 @@ from dpivon.config import (
     TrainConfig,
     TrainingConfig,
     format_validation_error,
+    parse_config,
     read_yaml_mapping,
 )
 from dpivon.constraints import Bound, FiniteEpsilon, Float, Int
@@ -106,7 +107,7 @@ from dpivon.orchestration.run_file import (
     train_extras,
 )
 from dpivon.privacy.accounting import check_plan_reachable
-from dpivon.privacy.tuning import SweepConditions
+from dpivon.privacy.tuning import SweepConditions, TrialMechanism, candidate_mechanisms
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -359,6 +360,23 @@ class Pipeline(RunFile):
         counts in its state file (private, like the checkpoints), so a resume keeps them.
         """
         return {group: draw_trial_count(self.trial_count, self.trials) for group in self.groups}
+
+    def candidate_mechanisms(self, optimizer: str, trial_epsilon: float) -> list[TrialMechanism]:
+        """Mechanisms covering every trial ``optimizer``'s space can produce when each
+        targets ``trial_epsilon`` (what the tuning bounds are over before trials run)."""
+        batch_sizes = self.spaces[optimizer].all_values("batch_size")
+        if batch_sizes is None:
+            base = self.base_train_config(optimizer, self.epsilon_list[0])
+            batch_sizes = [parse_config(base).training.batch_size]
+        return candidate_mechanisms(
+            batch_sizes,
+            dataset_size=self.data.train_size,
+            epochs=self.epochs,
+            target_epsilon=trial_epsilon,
+            delta=self.delta,
+            accountant=self.accountant,
+            validation_noise_multiplier=self.validation_noise,
+        )
 
     def owned_settings(self, optimizer: str, epsilon: float) -> dict[str, Any]:
         """The TrainConfig keys the pipeline's own keys set for every trial of a group that

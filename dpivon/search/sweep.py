@@ -6,7 +6,7 @@ searcher that multiplexes the studies (each suggested config carries its group) 
 sweep-wide ``concurrency`` limit, so the cluster stays busy across groups. Each trial
 recalibrates sigma_p for its own batch size and epochs. The driver alone writes MLflow: one
 parent run per sweep, one child run per trial (dpivon.search.callbacks). When every trial
-has run, dpivon.search.report builds the fronts and the report from the MLflow record.
+has run, dpivon.search.sweep_report builds the fronts and the report from the MLflow record.
 
 Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / ``gs://``
 / ``file://`` through dpivon.orchestration.storage): ``sweep.json`` (parent run, per-trial
@@ -21,6 +21,7 @@ data) are deleted; the final checkpoints hold only models.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -44,11 +45,12 @@ from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import SweepStorage
+from dpivon.privacy.tuning import solve_trial_epsilon_within
 from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
-from dpivon.search.report import report_sweep, solve_trial_epsilons
 from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, group_name
+from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
 from dpivon.training import load_data
@@ -328,6 +330,34 @@ def _trial_counts(
     return {(o, e): previous.trial_counts[group_name(o, e)] for o, e in pipeline.groups}
 
 
+def _trial_epsilons(
+    pipeline: Pipeline, counts: dict[tuple[str, float], int]
+) -> dict[str, float]:
+    """Each group's per-trial epsilon: its budget, or with ``total_epsilon`` the largest one
+    whose quoted tuning epsilon (worst case over the space) is at most the total."""
+    if pipeline.total_epsilon is None:
+        return {group_name(o, e): e for o, e in counts}
+    total = pipeline.total_epsilon
+    solved = {}
+    for optimizer, budget in pipeline.groups:
+        if math.isinf(budget):  # non-private: spends nothing
+            solved[group_name(optimizer, budget)] = budget
+            continue
+        trials = counts[(optimizer, budget)]
+        console.print(f"solving the per-trial epsilon of {optimizer} for total {total:g}...")
+        eps = solve_trial_epsilon_within(
+            total,
+            lambda e, o=optimizer: pipeline.candidate_mechanisms(o, e),
+            pipeline.delta,
+            pipeline.conditions,
+            trials,
+        )
+        how_many = "each trial" if pipeline.hides_trial_count else f"each of {trials} trials"
+        console.print(f"  {optimizer}: {how_many} spends epsilon {eps:.3f}")
+        solved[group_name(optimizer, budget)] = eps
+    return solved
+
+
 def run_sweep(
     pipeline: Pipeline,
     *,
@@ -351,7 +381,7 @@ def run_sweep(
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
     counts = _trial_counts(pipeline, previous)
-    trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
+    trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
     finished = previous is not None and _every_trial_recorded(
         tracker, previous.parent_run_id, groups

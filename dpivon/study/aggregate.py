@@ -206,3 +206,17 @@ def verdict_epsilons(table: pd.DataFrame) -> list[float]:
     if not finite:
         return epsilons[:1]
     return sorted({finite[0], finite[-1]})
+
+
+def pooled_reliability(diagrams: Sequence[ReliabilityDiagram]) -> ReliabilityDiagram:
+    """The diagram of all seeds' test predictions together (bin sums added up)."""
+    count = np.sum([d.bin_count for d in diagrams], axis=0)
+    correct = np.sum([np.nan_to_num(d.bin_accuracy) * d.bin_count for d in diagrams], axis=0)
+    confidence = np.sum([np.nan_to_num(d.bin_confidence) * d.bin_count for d in diagrams], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ReliabilityDiagram(
+            bin_edges=diagrams[0].bin_edges,
+            bin_accuracy=np.where(count > 0, correct / count, np.nan),
+            bin_confidence=np.where(count > 0, confidence / count, np.nan),
+            bin_count=count.astype(np.int64),
+        )

@@ -42,6 +42,7 @@ from dpivon.orchestration.state_file import RunState
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import configure_process
 from dpivon.study.aggregate import load_records
+from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
     COMPLETED,
     CONFIG_HASH_TAG,
@@ -51,7 +52,6 @@ from dpivon.study.layout import (
     STATUS_TAG,
     is_completed,
 )
-from dpivon.study.report import Report, build_report, log_report, write_report
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.training_run import log_training_result
