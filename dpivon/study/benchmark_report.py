@@ -290,6 +290,105 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
 # --- the report ------------------------------------------------------------------------------
 
 
+def _results_blocks(
+    table: pd.DataFrame, verdict: list[str], settings: Sequence[str], failed: dict[str, str]
+) -> list[Block]:
+    """The settings, the verdict, the results table with its notes, the failed runs."""
+    blocks: list[Block] = [Bullets(list(settings))] if settings else []
+    blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
+    blocks += [
+        Heading("Results (mean ± std over seeds)"),
+        TableBlock(*results_rows(table)),
+        Paragraph(TEMPERATURE_NOTE),
+        Paragraph(COLUMN_NOTE),
+    ]
+    if failed:
+        blocks += [
+            Paragraph(f"{len(failed)} run(s) failed and are not in the table:"),
+            Bullets([f"`{key}`: {message}" for key, message in failed.items()]),
+        ]
+    return blocks
+
+
+def _add_metric_curves(report: Report, methods: Sequence[str]) -> None:
+    report.figures["metrics_vs_epsilon.png"] = png_bytes(plot_metric_curves(report.table, methods))
+    report.blocks += [
+        Heading("Metrics versus epsilon"),
+        Images(["metrics_vs_epsilon.png"], "Mean over seeds, error bars one std; inf: no noise."),
+    ]
+
+
+def _add_reliability_diagrams(
+    report: Report, records: Sequence[RunRecord], methods: Sequence[str]
+) -> None:
+    """One diagram per method, seeds pooled, at the smallest and largest finite epsilon."""
+    report.blocks.append(Heading("Reliability diagrams (test, seeds pooled)"))
+    finite = sorted({r.epsilon for r in records if math.isfinite(r.epsilon)})
+    for eps in sorted({finite[0], finite[-1]}) if finite else []:
+        names = []
+        for method in methods:
+            diagrams = [
+                r.reliability
+                for r in records
+                if r.method == method and r.epsilon == eps and r.reliability is not None
+            ]
+            if not diagrams:
+                continue
+            name = f"reliability_{method}_eps{eps:g}.png"
+            title = f"{method}, epsilon {eps:g} ({len(diagrams)} seeds)"
+            report.figures[name] = png_bytes(plot_pooled_reliability(diagrams, title))
+            names.append(name)
+        if names:
+            report.blocks.append(Images(names, f"epsilon {eps:g}"))
+
+
+def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequence[str]) -> None:
+    report.blocks.append(Heading("Curvature-collapse diagnostics over training"))
+    figure = plot_diagnostics(records, methods)
+    if figure is None:
+        report.blocks.append(
+            Paragraph("No run logged curvature diagnostics (no IVON-family method).")
+        )
+        return
+    report.figures["diagnostics.png"] = png_bytes(figure)
+    with_diagnostics = {r.method for r in records if r.history}
+    report.blocks.append(
+        Images(
+            ["diagnostics.png"],
+            "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
+            "seeds; methods without them ("
+            + ", ".join(m for m in methods if m not in with_diagnostics)
+            + ") are not drawn.",
+        )
+    )
+
+
+def _add_sweep_fronts(report: Report, sweeps: Sequence[SweepStorage]) -> None:
+    report.blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
+    for directory in sweeps:
+        name = f"pareto_{directory.name}.png"
+        report.figures[name] = pareto_png(directory)
+        report.blocks.append(Images([name], f"sweep {directory.name}"))
+
+
+def _methods_blocks(
+    methods: Sequence[str], method_configs: dict[str, dict[str, Any]]
+) -> list[Block]:
+    """Each method's optimizer, hyper-parameters and where a sweep picked them."""
+    rows = []
+    for method in methods:
+        config = method_configs.get(method)
+        if config is None:
+            continue
+        shown = ", ".join(
+            f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
+        )
+        tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
+        rows.append([method, str(config["optimizer"]), shown, tuned_by])
+    header = ["method", "optimizer", "hyper-parameters", "tuned by"]
+    return [Heading("Methods"), TableBlock(header, rows)]
+
+
 def build_report(
     title: str,
     records: Sequence[RunRecord],
@@ -308,87 +407,17 @@ def build_report(
     methods = list(method_order or dict.fromkeys(r.method for r in records))
     table = aggregate(records, methods)
     verdict = verdict_lines(table) if not table.empty else ["no run finished"]
-    report = Report(title, [], table, records_frame(records), verdict)
-    blocks = report.blocks
-    if settings:
-        blocks.append(Bullets(list(settings)))
-    blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
-    blocks += [Heading("Results (mean ± std over seeds)")]
-    blocks += [
-        TableBlock(*results_rows(table)),
-        Paragraph(TEMPERATURE_NOTE),
-        Paragraph(COLUMN_NOTE),
-    ]
-    if failed:
-        blocks += [
-            Paragraph(f"{len(failed)} run(s) failed and are not in the table:"),
-            Bullets([f"`{key}`: {message}" for key, message in failed.items()]),
-        ]
+    blocks = _results_blocks(table, verdict, settings, failed or {})
+    report = Report(title, blocks, table, records_frame(records), verdict)
     if table.empty:
         return report
-
-    report.figures["metrics_vs_epsilon.png"] = png_bytes(plot_metric_curves(table, methods))
-    blocks += [
-        Heading("Metrics versus epsilon"),
-        Images(["metrics_vs_epsilon.png"], "Mean over seeds, error bars one std; inf: no noise."),
-    ]
-
-    blocks.append(Heading("Reliability diagrams (test, seeds pooled)"))
-    finite = sorted({r.epsilon for r in records if math.isfinite(r.epsilon)})
-    for eps in sorted({finite[0], finite[-1]}) if finite else []:
-        names = []
-        for method in methods:
-            diagrams = [
-                r.reliability
-                for r in records
-                if r.method == method and r.epsilon == eps and r.reliability is not None
-            ]
-            if not diagrams:
-                continue
-            name = f"reliability_{method}_eps{eps:g}.png"
-            title_text = f"{method}, epsilon {eps:g} ({len(diagrams)} seeds)"
-            report.figures[name] = png_bytes(plot_pooled_reliability(diagrams, title_text))
-            names.append(name)
-        if names:
-            blocks.append(Images(names, f"epsilon {eps:g}"))
-
-    blocks.append(Heading("Curvature-collapse diagnostics over training"))
-    figure = plot_diagnostics(records, methods)
-    if figure is None:
-        blocks.append(Paragraph("No run logged curvature diagnostics (no IVON-family method)."))
-    else:
-        report.figures["diagnostics.png"] = png_bytes(figure)
-        with_diagnostics = sorted({r.method for r in records if r.history})
-        blocks.append(
-            Images(
-                ["diagnostics.png"],
-                "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
-                "seeds; methods without them ("
-                + ", ".join(m for m in methods if m not in with_diagnostics)
-                + ") are not drawn.",
-            )
-        )
-
+    _add_metric_curves(report, methods)
+    _add_reliability_diagrams(report, records, methods)
+    _add_diagnostics(report, records, methods)
     if sweeps:
-        blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
-        for directory in sweeps:
-            name = f"pareto_{directory.name}.png"
-            report.figures[name] = pareto_png(directory)
-            blocks.append(Images([name], f"sweep {directory.name}"))
-
+        _add_sweep_fronts(report, sweeps)
     if method_configs:
-        header = ["method", "optimizer", "hyper-parameters", "tuned by"]
-        rows = []
-        for method in methods:
-            config = method_configs.get(method)
-            if config is None:
-                continue
-            shown = ", ".join(
-                f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
-            )
-            tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
-            rows.append([method, str(config["optimizer"]), shown, tuned_by])
-        blocks += [Heading("Methods"), TableBlock(header, rows)]
+        report.blocks += _methods_blocks(methods, method_configs)
     return report
 
 
