@@ -353,10 +353,11 @@ def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finish
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["trials_failed"] == 1
-    (killed,) = [c for c in children if c.data.params["optimizer"] == "dp-sgd"]
+    (killed,) = [c for c in children if c.data.tags["dpivon.optimizer"] == "dp-sgd"]
     assert killed.info.status == "FAILED"
     assert killed.data.tags["dpivon.trial_status"] == TrialStatus.FAILED
-    assert not killed.data.metrics  # it never reported
+    # it never reported: no metrics, and no params (its worker never built its config)
+    assert not killed.data.metrics and not killed.data.params
 
 
 def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):

@@ -8,6 +8,7 @@ pickled with the Tune experiment for `--resume`, hence the lazily created MLflow
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -21,13 +22,12 @@ from rich.console import Console
 from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
-from dpivon.search.space import SearchSpace
 from dpivon.search.trial import (
     COMPLETE,
     DIVERGED,
     DIVERGED_ERROR,
     GROUP_KEY,
-    trial_train_config,
+    TRIAL_CONFIG,
 )
 from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
 
@@ -58,6 +58,7 @@ _SKIPPED = {
     "should_checkpoint",
     "epoch",
     DIVERGED_ERROR,
+    TRIAL_CONFIG,
 }
 
 
@@ -81,21 +82,20 @@ class MlflowTrialLogger(tune.Callback):
         tracking_uri: str,
         experiment: str,
         parent_run_id: str,
-        base_config: dict[str, Any],
-        space: SearchSpace,
+        run_name: str,
         tags: dict[str, str],
         storage: SweepStorage,
     ):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.parent_run_id = parent_run_id
-        self.base_config = base_config
-        self.space = space
+        self.run_name = run_name  # its trials' runs are <run_name>-<trial id>
         self.tags = tags
         self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
         self.started: set[str] = set()  # trials whose "start" this driver has queued
+        self.configured: set[str] = set()  # trials whose config (params) it has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -110,6 +110,7 @@ class MlflowTrialLogger(tune.Callback):
             "_tracker": None,
             "run_ids": {},
             "started": set(),
+            "configured": set(),
             "pending": [],
             "_retry_at": 0.0,
             "_down_since": None,
@@ -152,13 +153,14 @@ class MlflowTrialLogger(tune.Callback):
                 run_id = tracker.start_run(
                     write["name"], parent_run_id=self.parent_run_id, tags=write["tags"]
                 )
-                tracker.log_params(run_id, write["params"])
                 self.run_ids[trial_id] = run_id
             else:
                 tracker.set_run_status(run_id, "RUNNING")  # a resumed trial
             return
         run_id = self.run_ids[trial_id]  # its "start" write went out before this one
-        if write["op"] == "metrics":
+        if write["op"] == "params":
+            tracker.log_params(run_id, write["params"])
+        elif write["op"] == "metrics":
             tracker.log_metrics(run_id, write["metrics"], step=write["step"])
         elif write["op"] == "tags":
             tracker.set_tags(run_id, write["tags"])
@@ -211,17 +213,19 @@ class MlflowTrialLogger(tune.Callback):
     # --- Tune's events ------------------------------------------------------------------
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
         self.started.add(trial.trial_id)
         self._queue(
             trial,
             "start",
-            name=f"{config.optimizer.name}-eps{config.privacy.epsilon:g}-{trial.trial_id}",
+            name=f"{self.run_name}-{trial.trial_id}",
             tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: TrialStatus.RUNNING},
-            params=config.flat(),
         )
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if trial.trial_id not in self.configured and TRIAL_CONFIG in result:
+            # the config the trial trains with, as its worker built it
+            self.configured.add(trial.trial_id)
+            self._queue(trial, "params", params=json.loads(result[TRIAL_CONFIG]))
         metrics = {
             k: v
             for k, v in result.items()

@@ -18,6 +18,7 @@ TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
+OPTIMIZER_TAG = "dpivon.optimizer"
 BUDGET_TAG = "dpivon.epsilon"  # the group's budget: what its fronts and exports go by
 TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
 
@@ -65,9 +66,9 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
                 "trial_id": tags.get(TRIAL_TAG),
                 "run_id": run.info.run_id,
                 "group": tags.get(GROUP_TAG),
-                "optimizer": params.get("optimizer"),
+                "optimizer": tags.get(OPTIMIZER_TAG, params.get("optimizer")),
                 "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
-                "trial_epsilon": float(params.get("epsilon", "nan")),
+                "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
                 "status": trial_status(run).value,
                 "checkpoint": tags.get(CHECKPOINT_TAG),
                 **{f"param.{k}": v for k, v in params.items()},
