@@ -307,7 +307,6 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert {r.config.training.batch_size for r in tuned} == {64}  # the benchmark's train: wins
     assert {r.config.data.synthetic_size for r in tuned} == {300}
     assert tuned[0].tuned_by == "s1/eps8-dp-sgd/eps8-dp-sgd-0"
-    assert pipeline.tuning_trials == {("tuned", 8.0): 2, ("tuned", math.inf): 2}
     assert [s.uri for s in pipeline.sweep_directories] == [str(sweep.resolve())]
     report = build_report("with a sweep", hand_records(), sweeps=pipeline.sweep_directories)
     assert report.figures["pareto_s1.png"][:4] == b"\x89PNG"
@@ -316,8 +315,15 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert len({r.config.runtime.seed for r in pipeline.runs}) == len(pipeline.runs)
     assert {r.config.data.data_seed for r in pipeline.runs} == {0}
 
-    other = fake_sweep(tmp_path, "s2", trials_per_group=3, lr=0.2)
-    methods.append({"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)})
+    # a second tuned method: from a sweep of as many trials per group, it compares
+    same = fake_sweep(tmp_path, "s2", trials_per_group=2, lr=0.2)
+    methods.append({"name": "tuned-same", "optimizer": "dp-sgd", "from_sweep": str(same)})
+    assert {r.method for r in load_benchmark(write_benchmark(tmp_path, methods=methods)).runs} == {
+        "tuned", "fixed", "tuned-same"
+    }
+    # from a sweep of more trials per group, it would win by budget, not by merit
+    other = fake_sweep(tmp_path, "s3", trials_per_group=3, lr=0.2)
+    methods[-1] = {"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)}
     with pytest.raises(DpivonError, match="different trial budgets"):
         load_benchmark(write_benchmark(tmp_path, methods=methods))
 

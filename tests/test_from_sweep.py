@@ -55,7 +55,10 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         ray.shutdown()
 
     assert not outcome.failed and len(outcome.completed) == 6
-    assert benchmark.tuning_trials == {("dp-sgd-tuned", 8.0): 3}
+    # every run of the tuned method trains the sweep's pick, and says so
+    assert {r.tuned_by for r in benchmark.runs if r.method == "dp-sgd-tuned"} == {
+        f"{folder.name}/eps8-dp-sgd/{row['trial_id']}"
+    }
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.get_experiment_by_name(benchmark.experiment)
     runs = client.search_runs([experiment.experiment_id], max_results=100)

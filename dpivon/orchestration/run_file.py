@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from dpivon.config import DataConfig, ModelConfig, TrainingConfig, config_key
+from dpivon.config import DataConfig, ModelConfig, PrivacyConfig, TrainingConfig, config_key
 from dpivon.constraints import Bool, Count, Epsilon, Float, Probability
 from dpivon.optim.registry import OPTIMIZERS
 from dpivon.orchestration.storage import SweepStorage
@@ -49,6 +49,7 @@ __all__ = [
 _NAME = re.compile(r"[a-z0-9_-]+")
 MAX_CONCURRENCY = 4096
 CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
+AccountantName = PrivacyConfig.model_fields["accountant"].annotation  # the config's choices
 
 
 class StrictModel(BaseModel):
@@ -137,7 +138,7 @@ class RunFile(StrictModel):
     model: Annotated[ModelConfig, BeforeValidator(_model_shorthand)] = ModelConfig()
     epochs: Count = TrainingConfig.model_fields["epochs"].default
     delta: Probability = 1e-5
-    accountant: Literal["rdp", "prv"] = "rdp"
+    accountant: AccountantName = "rdp"
     resources: Resources = Resources()
     tracking_uri: str | None = None
     experiment: str = ""

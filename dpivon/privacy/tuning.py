@@ -23,7 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from dp_accounting import dp_event
@@ -37,6 +37,7 @@ from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multipl
 # inf = Poisson(mean), 1 = geometric (mean = 1 / gamma).
 DISTRIBUTIONS: dict[str, float] = {"poisson": math.inf, "geometric": 1.0}
 TRIAL_COUNTS = ("fixed", *DISTRIBUTIONS)
+TrialCount = Literal[TRIAL_COUNTS]  # how a sweep's number of trials is chosen
 # One fixed RDP order grid for every computation (dp_accounting's default), so curves of
 # different trials can be compared order by order.
 ORDERS: tuple[float, ...] = tuple(float(a) for a in _rdp.DEFAULT_RDP_ORDERS)
@@ -225,7 +226,7 @@ RELEASES: dict[str, str] = {
 class SweepConditions:
     """How a group's trials were chosen and what of them is released."""
 
-    trial_count: str  # fixed | poisson | geometric
+    trial_count: TrialCount
     mean_trials: float
     adaptive_sampler: bool  # hyper-parameters chosen from earlier results (TPE, NSGA-II)
     adaptive_scheduler: bool  # trials stopped or paused on their metrics (ASHA)

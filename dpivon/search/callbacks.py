@@ -353,9 +353,6 @@ class SweepProgress(tune.Callback):
         self.objective, self.mode = objective, mode
         self.best = -math.inf if mode == "max" else math.inf
 
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__)
-
     def _line(self, trial, what: str, trials, outcome: str | None = None) -> None:
         now = {trial.trial_id: outcome} if outcome else {}
         value = (trial.last_result or {}).get(self.objective)

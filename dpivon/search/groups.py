@@ -33,7 +33,7 @@ from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
-from dpivon.search.pipeline import Pipeline
+from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
 from dpivon.search.results import (
     BUDGET_TAG,
     GROUP_TAG,
@@ -275,12 +275,7 @@ class GroupCallbacks(tune.Callback):
 
 def _sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
     """Optuna's sampler ``name``; seed None: seeded from the OS entropy source."""
-    samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
-        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-    }
-    return samplers[name]()
+    return getattr(optuna.samplers, OPTUNA_SAMPLERS[name])(seed=seed)
 
 
 def group_trainable(

@@ -107,7 +107,13 @@ from dpivon.orchestration.run_file import (
     train_extras,
 )
 from dpivon.privacy.accounting import check_plan_reachable
-from dpivon.privacy.tuning import SweepConditions, TrialMechanism, candidate_mechanisms
+from dpivon.privacy.tuning import (
+    TRIAL_COUNTS,
+    SweepConditions,
+    TrialCount,
+    TrialMechanism,
+    candidate_mechanisms,
+)
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -123,6 +129,12 @@ METRIC_MODES: dict[str, str] = {
     "val_ece": "min",
     "val_nll": "min",
     "val_brier": "min",
+}
+# Optuna's sampler class of each ``sampler:`` choice (imported by the sweep, not here)
+OPTUNA_SAMPLERS: dict[str, str] = {
+    "tpe": "TPESampler",
+    "nsga2": "NSGAIISampler",
+    "random": "RandomSampler",
 }
 # Upper bounds of the counts, each with what it protects
 MAX_TRIALS = 10_000
@@ -160,7 +172,7 @@ Scheduler = Annotated[
 
 
 class Objective(StrictModel):
-    metric: Literal["val_accuracy", "val_ece", "val_nll", "val_brier"]
+    metric: Literal[tuple(METRIC_MODES)]
     mode: Literal["max", "min"]
 
     @model_validator(mode="after")
@@ -191,7 +203,7 @@ class Pipeline(RunFile):
         list[OptimizerEntry], Field(min_length=1), distinct("optimizers", lambda e: e.name)
     ]
     trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
-    trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
+    trial_count: TrialCount = "fixed"
     # trials in flight at once over the whole sweep (all groups); None: as many as fit
     concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
     scheduler: Scheduler = NoScheduler(type="none")
@@ -201,7 +213,7 @@ class Pipeline(RunFile):
             Objective(metric="val_ece", mode="min"),
         ]
     )
-    sampler: Literal["tpe", "nsga2", "random"] = "tpe"
+    sampler: Literal[tuple(OPTUNA_SAMPLERS)] = "tpe"
     seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
     max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
@@ -343,15 +355,6 @@ class Pipeline(RunFile):
             return [float(self.total_epsilon)]
         return [float(e) for e in self.epsilons]
 
-    @property
-    def trial_count_shape(self) -> float | None:
-        """The ``shape`` of ``dp_accounting``'s ``RepeatAndSelectDpEvent`` for this draw.
-
-        ``inf`` for poisson, ``1`` for geometric (mean = ``trials``); ``None`` for fixed,
-        where the honest bound for releasing the best trial is plain composition.
-        """
-        return {"fixed": None, "poisson": math.inf, "geometric": 1.0}[self.trial_count]
-
     def trial_counts(self) -> dict[tuple[str, float], int]:
         """The number of trials of each (optimizer, budget) group, in listed order.
 
@@ -445,7 +448,7 @@ def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | Non
         return int(rng.geometric(1.0 / mean))
     if trial_count == "poisson":
         return int(rng.poisson(mean))
-    raise DpivonError(f"unknown trial_count {trial_count!r}; use fixed, poisson or geometric")
+    raise DpivonError(f"unknown trial_count {trial_count!r}; use one of {', '.join(TRIAL_COUNTS)}")
 
 
 def load_pipeline(path: str | Path) -> Pipeline:

@@ -79,10 +79,10 @@ from dpivon.orchestration.run_file import (
 )
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.search.pareto import PICKS
 from dpivon.search.trial import trial_seed
 
 MIN_SEEDS = 3
-PICKS = ("knee", "max-accuracy", "min-ece")
 _METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
@@ -95,7 +95,7 @@ class Method(StrictModel):
     name: str
     optimizer: OptimizerName
     from_sweep: str | None = None
-    pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
+    pick: Literal[tuple(p for p in PICKS if p != "pareto")] = "knee"  # one config each
     train: TrainExtras = Field(default_factory=dict)
 
     @field_validator("name")
@@ -150,7 +150,6 @@ class BenchmarkPipeline(RunFile):
     run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
-    _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
 
     @field_validator("seeds")
     @classmethod
@@ -190,11 +189,6 @@ class BenchmarkPipeline(RunFile):
     def train_blocks(self) -> dict[str, dict[str, Any]]:
         methods = {f"methods.{i}.train": m.train for i, m in enumerate(self.methods)}
         return {"train": self.train, **methods}
-
-    @property
-    def tuning_trials(self) -> dict[tuple[str, float], int]:
-        """(method, epsilon) -> trials its sweep group ran, for from_sweep methods."""
-        return dict(self._tuning_trials)
 
     @property
     def sweep_directories(self) -> list[SweepStorage]:
@@ -315,10 +309,4 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
             methods.index(r.method),
         ),
     )
-    pipeline._tuning_trials = budgets
     return pipeline
-
-
-def epsilon_label(epsilon: float) -> str:
-    """``inf`` reads as no noise; a finite epsilon as itself."""
-    return "inf (no noise)" if math.isinf(epsilon) else f"{epsilon:g}"
