@@ -423,15 +423,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
+# The options of the commands that run a pipeline on Ray (sweep, benchmark)
+RayAddress = Opt[
+    str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
+]
+PipelineTrackingUri = Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")]
+
+
 @app.command()
 @user_errors
 def sweep(
     pipeline: Opt[Path, typer.Argument(help="pipeline YAML, e.g. pipelines/quickstart.yaml")],
     resume: Opt[bool, typer.Option(help="continue this pipeline's interrupted sweep")] = False,
-    address: Opt[
-        str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
-    ] = None,
-    tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
+    address: RayAddress = None,
+    tracking_uri: PipelineTrackingUri = None,
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
     from dpivon.search.pipeline import load_pipeline
@@ -462,10 +467,8 @@ def benchmark(
         Path, typer.Argument(help="benchmark YAML, e.g. pipelines/benchmark-cifar10-4k.yaml")
     ],
     resume: Opt[bool, typer.Option(help="skip runs MLflow records as completed")] = False,
-    address: Opt[
-        str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
-    ] = None,
-    tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
+    address: RayAddress = None,
+    tracking_uri: PipelineTrackingUri = None,
 ) -> None:
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""

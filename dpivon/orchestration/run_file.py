@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import (
     AfterValidator,
@@ -23,19 +23,28 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
-from dpivon.config import DataConfig, ModelConfig, PrivacyConfig, TrainingConfig, config_key
-from dpivon.constraints import Bool, Count, Epsilon, Float, Probability
+from dpivon.config import (
+    DataConfig,
+    ModelConfig,
+    PrivacyConfig,
+    TrainingConfig,
+    config_key,
+    format_validation_error,
+    read_yaml_mapping,
+)
+from dpivon.constraints import Bool, Bound, Count, Epsilon, Float, Int, Probability
+from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZERS
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.accounting import check_delta
 
 __all__ = [
-    "CONCURRENCY_WHY",
-    "MAX_CONCURRENCY",
+    "Concurrency",
     "Epsilons",
     "Resources",
     "RunFile",
@@ -47,8 +56,16 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"[a-z0-9_-]+")
-MAX_CONCURRENCY = 4096
-CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
+_MAX_CONCURRENCY = 4096
+# Runs in flight at once over the whole file
+Concurrency = Annotated[
+    Int,
+    Bound(
+        ge=1,
+        le=_MAX_CONCURRENCY,
+        why="runs in flight at once, more than any Ray cluster here holds",
+    ),
+]
 AccountantName = PrivacyConfig.model_fields["accountant"].annotation  # the config's choices
 
 
@@ -166,10 +183,22 @@ class RunFile(StrictModel):
         """Its folder ``<storage_path>/<name>`` (state file, results), wherever stored."""
         return SweepStorage(self.storage_path, self.name)
 
-    def set_source(self, path: Path) -> None:
-        """Record the file this was read from, and its text."""
-        self._path = path
-        self._source_text = path.read_text()
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        """The file at ``path``, its own keys validated (a loader adds the checks that need
+        more than the file); one :class:`DpivonError` line naming the file when invalid."""
+        data = read_yaml_mapping(path)
+        try:
+            loaded = cls.model_validate(data)
+        except ValidationError as err:
+            raise DpivonError(f"invalid {cls.noun} {path}: {cls.error_message(err)}") from None
+        loaded._path, loaded._source_text = path, path.read_text()
+        return loaded
+
+    @classmethod
+    def error_message(cls, err: ValidationError) -> str:
+        """The one-line message of a file that does not validate."""
+        return format_validation_error(err)
 
     @model_validator(mode="before")
     @classmethod

@@ -91,14 +91,12 @@ from dpivon.config import (
     TrainingConfig,
     format_validation_error,
     parse_config,
-    read_yaml_mapping,
 )
 from dpivon.constraints import Bound, FiniteEpsilon, Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.orchestration.run_file import (
-    CONCURRENCY_WHY,
-    MAX_CONCURRENCY,
+    Concurrency,
     Epsilons,
     RunFile,
     StrictModel,
@@ -205,7 +203,7 @@ class Pipeline(RunFile):
     trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
     trial_count: TrialCount = "fixed"
     # trials in flight at once over the whole sweep (all groups); None: as many as fit
-    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
+    concurrency: Concurrency | None = 1
     scheduler: Scheduler = NoScheduler(type="none")
     objectives: list[Objective] = Field(
         default_factory=lambda: [
@@ -276,6 +274,11 @@ class Pipeline(RunFile):
                     f"epochs ({self.epochs}), else asha never stops a trial"
                 )
         return self
+
+    @classmethod
+    def error_message(cls, err: ValidationError) -> str:
+        # the scheduler's union tags (asha, none) are no keys of the file
+        return drop_union_tags(format_validation_error(err), ("asha", "none"))
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -454,14 +457,8 @@ def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | Non
 def load_pipeline(path: str | Path) -> Pipeline:
     """Read and validate a pipeline YAML file and the search spaces it names."""
     path = Path(path)
-    data = read_yaml_mapping(path)
+    pipeline = Pipeline.read(path)
     where = f"pipeline {path}"
-    try:
-        pipeline = Pipeline.model_validate(data)
-    except ValidationError as err:
-        message = drop_union_tags(format_validation_error(err), ("asha", "none"))
-        raise DpivonError(f"invalid {where}: {message}") from None
-    pipeline.set_source(path)
 
     spaces: dict[str, SearchSpace] = {}
     for i, entry in enumerate(pipeline.optimizers):

@@ -50,25 +50,22 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
 )
 
 from dpivon.config import (
     TrainConfig,
-    format_validation_error,
     parse_config,
-    read_yaml_mapping,
 )
 from dpivon.constraints import Bound, Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.orchestration.run_file import (
-    CONCURRENCY_WHY,
-    MAX_CONCURRENCY,
+    Concurrency,
     Epsilons,
     RunFile,
     StrictModel,
@@ -89,24 +86,24 @@ _METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 TrainExtras = Annotated[dict[str, Any], BeforeValidator(train_extras)]
 
 
+def _method_name(name: str) -> str:
+    if _METHOD_NAME.fullmatch(name) is None:
+        raise ValueError(
+            f"method name {name!r} must start with a letter or digit and hold only "
+            "letters, digits and _ . + - (it names files, runs and table rows)"
+        )
+    return name
+
+
 class Method(StrictModel):
     """One compared method: an optimizer with fixed settings, or a sweep's pick."""
 
-    name: str
+    name: Annotated[str, AfterValidator(_method_name)]
     optimizer: OptimizerName
     from_sweep: str | None = None
     pick: Literal[tuple(p for p in PICKS if p != "pareto")] = "knee"  # one config each
     train: TrainExtras = Field(default_factory=dict)
 
-    @field_validator("name")
-    @classmethod
-    def _identifier(cls, name: str) -> str:
-        if not _METHOD_NAME.fullmatch(name):
-            raise ValueError(
-                f"method name {name!r} must start with a letter or digit and hold only "
-                "letters, digits and _ . + - (it names files, runs and table rows)"
-            )
-        return name
 
 
 @dataclass(frozen=True)
@@ -146,7 +143,7 @@ class BenchmarkPipeline(RunFile):
     methods: Annotated[
         list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
     ]
-    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] = 2
+    concurrency: Concurrency = 2
     run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
@@ -261,13 +258,8 @@ def _check_equal_budgets(budgets: dict[tuple[str, float], int], where: str) -> N
 def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     """Read and validate a benchmark YAML file, resolving every run's TrainConfig."""
     path = Path(path)
-    data = read_yaml_mapping(path)
+    pipeline = BenchmarkPipeline.read(path)
     where = f"benchmark {path}"
-    try:
-        pipeline = BenchmarkPipeline.model_validate(data)
-    except ValidationError as err:
-        raise DpivonError(f"invalid {where}: {format_validation_error(err)}") from None
-    pipeline.set_source(path)
 
     runs: list[RunSpec] = []
     budgets: dict[tuple[str, float], int] = {}
