@@ -44,9 +44,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.results import GROUP_TAG, child_runs
-from dpivon.search.sweep import run_sweep
-from dpivon.tracking import Tracker
+from dpivon.search.results import GROUP_TAG
+from dpivon.search.sweep import SweepState, run_sweep
+from dpivon.tracking.client import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "pipelines" / "cifar10-eps-grid.yaml"
@@ -160,15 +160,12 @@ def main() -> None:
             run_sweep(pipeline)
         ended = time.time()
         tracker = Tracker(pipeline.tracking_uri, pipeline.experiment)
-        (parent,) = tracker.client.search_runs(
-            [tracker.experiment_id], filter_string="tags.`dpivon.kind` = 'sweep'"
-        )
-        runs = child_runs(tracker, parent.info.run_id)
+        runs = tracker.child_runs(SweepState.load(pipeline.storage).parent_run_id)
         ray.shutdown()
 
     # A run ends at its last epoch's metrics: logging a front member's model at the end of
     # the sweep moves its MLflow end_time to then.
-    histories = [tracker.client.get_metric_history(r.info.run_id, "val_accuracy") for r in runs]
+    histories = [tracker.metric_history(r.info.run_id, "val_accuracy") for r in runs]
     spans = np.array([
         (r.info.start_time, max((m.timestamp for m in h), default=r.info.end_time))
         for r, h in zip(runs, histories, strict=True)

@@ -296,7 +296,8 @@ def train(
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.tracking import Tracker, log_training_result
+    from dpivon.tracking.client import Tracker
+    from dpivon.tracking.training_run import log_training_result
     from dpivon.training import (
         NOT_COVERED_METRICS,
         EpochCheckpoint,
@@ -422,19 +423,24 @@ def _print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
+# The options of the commands that run a pipeline on Ray (sweep, benchmark)
+RayAddress = Opt[
+    str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
+]
+PipelineTrackingUri = Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")]
+
+
 @app.command()
 @user_errors
 def sweep(
     pipeline: Opt[Path, typer.Argument(help="pipeline YAML, e.g. pipelines/quickstart.yaml")],
     resume: Opt[bool, typer.Option(help="continue this pipeline's interrupted sweep")] = False,
-    address: Opt[
-        str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
-    ] = None,
-    tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
+    address: RayAddress = None,
+    tracking_uri: PipelineTrackingUri = None,
 ) -> None:
     """Run a hyper-parameter sweep: Ray Tune trials, Optuna search, MLflow tracking."""
     from dpivon.search.pipeline import load_pipeline
-    from dpivon.search.sweep import SweepInterrupted, run_sweep, sweep_storage
+    from dpivon.search.sweep import SweepInterrupted, run_sweep
 
     loaded = load_pipeline(pipeline)
     try:
@@ -450,7 +456,7 @@ def sweep(
     counts = "" if loaded.hides_trial_count else f": {trials['status'].value_counts().to_dict()}"
     console.print(
         f"sweep {loaded.name!r} finished{counts}; results in "
-        f"{sweep_storage(loaded).uri}; open the MLflow UI with `make ui`"
+        f"{loaded.storage.uri}; open the MLflow UI with `make ui`"
     )
 
 
@@ -461,15 +467,13 @@ def benchmark(
         Path, typer.Argument(help="benchmark YAML, e.g. pipelines/benchmark-cifar10-4k.yaml")
     ],
     resume: Opt[bool, typer.Option(help="skip runs MLflow records as completed")] = False,
-    address: Opt[
-        str | None, typer.Option(help="Ray cluster address (else $RAY_ADDRESS, else a local Ray)")
-    ] = None,
-    tracking_uri: Opt[str | None, typer.Option(help="MLflow URI (overrides the pipeline)")] = None,
+    address: RayAddress = None,
+    tracking_uri: PipelineTrackingUri = None,
 ) -> None:
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""
     from dpivon.study.benchmark import run_benchmark
-    from dpivon.study.report import results_rows
+    from dpivon.study.benchmark_report import results_rows
     from dpivon.study.spec import load_benchmark
 
     loaded = load_benchmark(pipeline)
@@ -510,7 +514,7 @@ def pareto(
 ) -> None:
     """Print a finished sweep's Pareto fronts (validation; test for members) and plot them."""
     from dpivon.search.export import load_results, resolve_sweep
-    from dpivon.search.pareto import plot_fronts_html, plot_fronts_png, print_front_table
+    from dpivon.search.pareto_views import plot_fronts_html, plot_fronts_png, print_front_table
     from dpivon.search.sweep import SweepState
 
     if out is not None:
@@ -623,7 +627,7 @@ def audit(
     from dpivon.audit import audit_config, check_canaries, run_audit
     from dpivon.config import PRIVATE_OPTIMIZERS
     from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.tracking import Tracker
+    from dpivon.tracking.client import Tracker
     from dpivon.training import resolve_device
 
     optimizer = config_values.get("optimizer")
@@ -713,7 +717,7 @@ def predict(
     """Classify images with a logged model: class, probability, entropy (and, for the IVON
     family, the mutual information across posterior draws) per image."""
     from dpivon.data.images import read_images
-    from dpivon.tracking import load_pyfunc
+    from dpivon.tracking.served_model import load_pyfunc
 
     names, batch = read_images(images)  # bad files fail before the model loads
     model = load_pyfunc(model_uri, tracking_uri)

@@ -4,6 +4,6 @@ this file instead of unpickling a Python object. It imports dpivon from the mode
 
 import mlflow
 
-from dpivon.tracking import PosteriorClassifier
+from dpivon.tracking.served_model import PosteriorClassifier
 
 mlflow.models.set_model(PosteriorClassifier())

@@ -10,7 +10,6 @@ import mlflow
 import yaml
 
 from dpivon.search.pipeline import Pipeline
-from dpivon.search.sweep import sweep_storage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +48,7 @@ def runs_of(tmp_path: Path, experiment: str) -> tuple[mlflow.MlflowClient, list,
 
 def sweep_folder(pipeline: Pipeline) -> Path:
     """The local folder of a sweep of :func:`write_pipeline`."""
-    return Path(sweep_storage(pipeline).path)
+    return Path(pipeline.storage.path)
 
 
 PLOTS = (".png", ".html")  # rendered again by a resume; not compared byte for byte

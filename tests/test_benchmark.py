@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -25,10 +26,10 @@ from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.study.aggregate import RunRecord, aggregate, compare
 from dpivon.study.benchmark import run_benchmark, score_on_test
+from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG
-from dpivon.study.report import build_report, verdict_lines, write_report
 from dpivon.study.spec import load_benchmark
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import load_data, train
 
 runner = CliRunner()
@@ -306,7 +307,6 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert {r.config.training.batch_size for r in tuned} == {64}  # the benchmark's train: wins
     assert {r.config.data.synthetic_size for r in tuned} == {300}
     assert tuned[0].tuned_by == "s1/eps8-dp-sgd/eps8-dp-sgd-0"
-    assert pipeline.tuning_trials == {("tuned", 8.0): 2, ("tuned", math.inf): 2}
     assert [s.uri for s in pipeline.sweep_directories] == [str(sweep.resolve())]
     report = build_report("with a sweep", hand_records(), sweeps=pipeline.sweep_directories)
     assert report.figures["pareto_s1.png"][:4] == b"\x89PNG"
@@ -315,8 +315,15 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert len({r.config.runtime.seed for r in pipeline.runs}) == len(pipeline.runs)
     assert {r.config.data.data_seed for r in pipeline.runs} == {0}
 
-    other = fake_sweep(tmp_path, "s2", trials_per_group=3, lr=0.2)
-    methods.append({"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)})
+    # a second tuned method: from a sweep of as many trials per group, it compares
+    same = fake_sweep(tmp_path, "s2", trials_per_group=2, lr=0.2)
+    methods.append({"name": "tuned-same", "optimizer": "dp-sgd", "from_sweep": str(same)})
+    assert {r.method for r in load_benchmark(write_benchmark(tmp_path, methods=methods)).runs} == {
+        "tuned", "fixed", "tuned-same"
+    }
+    # from a sweep of more trials per group, it would win by budget, not by merit
+    other = fake_sweep(tmp_path, "s3", trials_per_group=3, lr=0.2)
+    methods[-1] = {"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)}
     with pytest.raises(DpivonError, match="different trial budgets"):
         load_benchmark(write_benchmark(tmp_path, methods=methods))
 
@@ -383,7 +390,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     note = parent.data.tags["mlflow.note.content"]
     assert "| method | eps | seeds |" in note and "epsilon 8:" in note
     assert "test_accuracy.eps8.dp-sgd" in parent.data.metrics
-    page = (pipeline.directory / "report" / "report.html").read_text()
+    page = pipeline.storage.read_text("report/report.html")
     assert "data:image/png;base64," in page
 
 
@@ -417,10 +424,10 @@ def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark)
     trains nothing and leaves its files (plots aside), runs, metric histories and artifacts
     as they were."""
     tmp_path, pipeline, _ = finished_benchmark
-    before = store_snapshot(tmp_path, pipeline.experiment, pipeline.directory)
+    before = store_snapshot(tmp_path, pipeline.experiment, Path(pipeline.storage.path))
     for _ in range(2):
         result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
         assert result.exit_code == 0, result.output
         assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
-        assert store_snapshot(tmp_path, pipeline.experiment, pipeline.directory) == before
+        assert store_snapshot(tmp_path, pipeline.experiment, Path(pipeline.storage.path)) == before
     assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])

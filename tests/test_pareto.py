@@ -19,15 +19,13 @@ from dpivon.errors import DpivonError
 from dpivon.search.pareto import (
     DEFAULT_REFERENCE,
     default_reference,
-    format_front_table,
     hypervolume_2d,
     knee_point,
     non_dominated_mask,
     pareto_front,
     pick,
-    plot_fronts_html,
-    plot_fronts_png,
 )
+from dpivon.search.pareto_views import format_front_table, plot_fronts_html, plot_fronts_png
 
 OBJ = [("val_accuracy", "max"), ("val_ece", "min")]
 MODE_SETS = [("max", "min"), ("min", "min"), ("max", "max"), ("min", "max")]

@@ -8,8 +8,8 @@ import sys
 
 START_LOCAL_RAY = """
 import os, ray
-from dpivon.search.sweep import _init_ray
-_init_ray(None)
+from dpivon.orchestration.ray_cluster import init_ray
+init_ray(None)
 assert ray.is_initialized()
 print("auth", os.environ.get("RAY_AUTH_MODE"))  # Ray sets it when it turns token auth on
 ray.shutdown()

@@ -497,7 +497,6 @@ def test_pipeline_api(tmp_path):
     assert pipeline.epsilon_list == [8.0]
     assert pipeline.objective_pairs == [("val_accuracy", "max"), ("val_ece", "min")]
     assert pipeline.trial_counts() == {("dp-sgd", 8.0): 4, ("dp-adam", 8.0): 4}
-    assert pipeline.trial_count_shape is None
     assert pipeline.base_train_config("dp-adam", 8) == {
         "optimizer": "dp-adam",
         "dataset": "synthetic",
@@ -603,8 +602,8 @@ BAD_PIPELINES = {
     "cpu-zero": (_set("resources.cpu", 0), "cpu must be > 0"),
     "gpu-negative": (_set("resources.gpu", -1), "gpu must be >= 0"),
     "gpu-fraction-above-one": (_set("resources.gpu", 1.5), "whole number"),
-    "epsilon-zero": (_set("epsilons", [0]), "every epsilon must be > 0"),
-    "epsilon-negative": (_set("epsilons", -1), "every epsilon must be > 0"),
+    "epsilon-zero": (_set("epsilons", [0]), "epsilons must be > 0"),
+    "epsilon-negative": (_set("epsilons", -1), "epsilons must be > 0"),
     "epsilon-empty": (_set("epsilons", []), "epsilons: needs at least 1 item"),
     "epsilon-duplicate": (_set("epsilons", [8, 8.0]), "distinct"),
     "delta-zero": (_set("delta", 0), "delta must be in (0, 1)"),
@@ -722,10 +721,11 @@ def test_trial_counts_fixed_and_drawn(tmp_path):
     data["epsilons"] = [1, 8]
     data["trials"] = 6
     assert set(load_pipeline(_write_pipeline(tmp_path, data)).trial_counts().values()) == {6}
-    for kind, shape in (("poisson", math.inf), ("geometric", 1.0)):
+    for kind in ("poisson", "geometric"):
         data["trial_count"] = kind
         pipeline = load_pipeline(_write_pipeline(tmp_path, data))
-        assert pipeline.trial_count_shape == shape
+        # what the tuning accounting is told: K's distribution and its mean
+        assert (pipeline.conditions.trial_count, pipeline.conditions.mean_trials) == (kind, 6)
         draws = [pipeline.trial_counts() for _ in range(20)]
         assert all(set(d) == set(pipeline.groups) for d in draws)
         assert all(isinstance(k, int) and k >= 0 for d in draws for k in d.values())

@@ -168,7 +168,7 @@ def test_model_environment_rebuilds_from_its_requirements(logged, tmp_path):
     model_dir = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path)))
     requirements = (model_dir / "requirements.txt").read_text().split()
     assert all("==" in line for line in requirements), requirements
-    assert (model_dir / "code" / "dpivon" / "tracking.py").is_file()
+    assert (model_dir / "code" / "dpivon" / "tracking" / "served_model.py").is_file()
 
     view = tmp_path / "site"
     view.mkdir()

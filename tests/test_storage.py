@@ -15,13 +15,13 @@ import yaml
 
 from dpivon.config import parse_config
 from dpivon.errors import DpivonError
+from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.privacy.tuning import SweepConditions, TrialMechanism, tuning_privacy_report
 from dpivon.search.export import export_configs, load_results, resolve_sweep, trial_config
-from dpivon.search.report import FRONT_FILE, TRIALS_FILE, TUNING_FILE
-from dpivon.search.storage import SweepStorage, local_copy
-from dpivon.search.sweep import STATE_FILE, SweepState
+from dpivon.search.sweep import SweepState
+from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import train
 
 
@@ -42,14 +42,14 @@ def _root(kind: str, tmp_path, s3, monkeypatch) -> str:
 @pytest.mark.parametrize("kind", ["local", "file-uri", "s3-env", "s3-query"])
 def test_round_trip(kind, tmp_path, s3, monkeypatch):
     storage = SweepStorage(_root(kind, tmp_path, s3, monkeypatch), "sweep")
-    assert not storage.exists() and not storage.exists(STATE_FILE)
+    assert not storage.exists() and not storage.exists(SweepState.file_name)
     assert storage.listdir() == []
-    storage.write_text(STATE_FILE, '{"name": "sweep"}')
-    storage.write_text(STATE_FILE, '{"name": "sweep", "again": true}')  # replaces it
+    storage.write_text(SweepState.file_name, '{"name": "sweep"}')
+    storage.write_text(SweepState.file_name, '{"name": "sweep", "again": true}')  # replaces it
     storage.write_bytes("tune/trial_0/checkpoint_000001/model.pt", b"\x00weights")
     storage.write_bytes("tune/trial_0/checkpoint_000001/extra/meta", b"m")
-    assert json.loads(storage.read_text(STATE_FILE)) == {"name": "sweep", "again": True}
-    assert storage.listdir() == [STATE_FILE, "tune"]  # no temporary files left
+    assert json.loads(storage.read_text(SweepState.file_name)) == {"name": "sweep", "again": True}
+    assert storage.listdir() == [SweepState.file_name, "tune"]  # no temporary files left
     assert storage.listdir("tune/trial_0/checkpoint_000001") == ["extra", "model.pt"]
     assert storage.is_local == (kind in ("local", "file-uri"))
 

@@ -28,9 +28,9 @@ from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
-from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep, sweep_storage
+from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
-from dpivon.tracking import load_checkpoint
+from dpivon.tracking.checkpoints import load_checkpoint
 from dpivon.training import load_data, train
 
 runner = CliRunner()
@@ -115,7 +115,7 @@ def test_asha_with_random_search_and_a_random_trial_count_quotes_the_composition
     assert group["quoted_epsilon"] == group["composition_epsilon"]
     assert "stops trials on their metrics" in group["quote"]
     # the composition holds for a known K: it is stated, as the trials that ran
-    state = SweepState.load(sweep_storage(pipeline))
+    state = SweepState.load(pipeline.storage)
     assert "drawn_trials" not in group and group["num_trials"] == state.trial_counts["eps8-dp-sgd"]
 
 
@@ -246,7 +246,7 @@ def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
         scheduler={"type": "none"}, optimizers=[{"name": "dp-sgd", "space": str(space)}],
     ))  # fmt: skip
     run_sweep(pipeline)
-    folder, state = sweep_folder(pipeline), SweepState.load(sweep_storage(pipeline))
+    folder, state = sweep_folder(pipeline), SweepState.load(pipeline.storage)
     (trial_eps,) = state.trial_epsilons.values()
     assert 1.0 < trial_eps < 8.0
     client, (parent,), children = runs_of(tmp_path, pipeline.experiment)
@@ -353,10 +353,11 @@ def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finish
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["trials_failed"] == 1
-    (killed,) = [c for c in children if c.data.params["optimizer"] == "dp-sgd"]
+    (killed,) = [c for c in children if c.data.tags["dpivon.optimizer"] == "dp-sgd"]
     assert killed.info.status == "FAILED"
     assert killed.data.tags["dpivon.trial_status"] == TrialStatus.FAILED
-    assert not killed.data.metrics  # it never reported
+    # it never reported: no metrics, and no params (its worker never built its config)
+    assert not killed.data.metrics and not killed.data.params
 
 
 def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
@@ -395,7 +396,7 @@ def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
     )
     run_sweep(pipeline)
     # drawn from OS entropy when the sweep started, kept in its (private) state file
-    expected = SweepState.load(sweep_storage(pipeline)).trial_counts
+    expected = SweepState.load(pipeline.storage).trial_counts
     assert set(expected) == {"eps2-dp-sgd", "eps4-dp-sgd", "eps8-dp-sgd"}
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"

@@ -18,8 +18,9 @@ from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
+from dpivon.orchestration.ray_cluster import RAY_CONNECT_TIMEOUT_S
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import RAY_CONNECT_TIMEOUT_S, run_sweep
+from dpivon.search.sweep import run_sweep
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
 DP_SGD = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from sweep_helpers import REPO, write_pipeline
 
-from dpivon.search.storage import SweepStorage
+from dpivon.orchestration.storage import SweepStorage
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
 DP_SGD = str(REPO / "search_spaces/quickstart/dp-sgd.yaml")

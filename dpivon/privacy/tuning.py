@@ -12,7 +12,9 @@ releases more than one trial's epsilon:
   costs the Papernot & Steinke repeat-and-select bound, far less than K-fold composition.
   A fixed K gets no such discount.
 
-All numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-derived here.
+Before a sweep with a total budget, :func:`solve_trial_epsilon_within` finds what each
+trial may spend; after it, :func:`tuning_privacy_report` states what the trials cost. All
+numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-derived here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from dp_accounting import dp_event
@@ -35,6 +37,7 @@ from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multipl
 # inf = Poisson(mean), 1 = geometric (mean = 1 / gamma).
 DISTRIBUTIONS: dict[str, float] = {"poisson": math.inf, "geometric": 1.0}
 TRIAL_COUNTS = ("fixed", *DISTRIBUTIONS)
+TrialCount = Literal[TRIAL_COUNTS]  # how a sweep's number of trials is chosen
 # One fixed RDP order grid for every computation (dp_accounting's default), so curves of
 # different trials can be compared order by order.
 ORDERS: tuple[float, ...] = tuple(float(a) for a in _rdp.DEFAULT_RDP_ORDERS)
@@ -44,7 +47,7 @@ ORDERS: tuple[float, ...] = tuple(float(a) for a in _rdp.DEFAULT_RDP_ORDERS)
 class TrialMechanism:
     """The private part of one trial: ``steps`` Poisson-subsampled Gaussian steps, and
     optionally ``validation_releases`` Gaussian-noised validation scores
-    (``validation_noise_multiplier`` times their L2 sensitivity, see dpivon.metrics)."""
+    (``validation_noise_multiplier`` times their L2 sensitivity, see dpivon.privacy.validation)."""
 
     noise_multiplier: float
     sample_rate: float
@@ -223,7 +226,7 @@ RELEASES: dict[str, str] = {
 class SweepConditions:
     """How a group's trials were chosen and what of them is released."""
 
-    trial_count: str  # fixed | poisson | geometric
+    trial_count: TrialCount
     mean_trials: float
     adaptive_sampler: bool  # hyper-parameters chosen from earlier results (TPE, NSGA-II)
     adaptive_scheduler: bool  # trials stopped or paused on their metrics (ASHA)
@@ -340,6 +343,90 @@ def _accountant_note(accountant: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _QuotedBound:
+    """One bound of a tuning report: its entries, its RDP curve, its name and why it holds."""
+
+    entries: dict[str, Any]
+    curve: Sequence[float]
+    name: str  # the entry that holds the quoted epsilon
+    why: str
+
+
+def _threat_model(
+    conditions: SweepConditions, covered: Sequence[TrialMechanism]
+) -> dict[str, Any]:
+    """How the group's trials were chosen, what is released, which records are covered."""
+    noised = bool(covered) and all(t.private_validation for t in covered)
+    return {
+        "trial_count": conditions.trial_count,
+        "mean_trials": conditions.mean_trials,
+        "adaptive": conditions.adaptive,
+        "release": conditions.release,
+        "accountant": "rdp",
+        "records_covered": (
+            "training and validation records (validation scores are noised)"
+            if noised
+            else "training records only: validation scores are exact, so the validation "
+            "records that steer selection have no DP protection"
+        ),
+        "outputs_covered": RELEASES[conditions.release],
+    }
+
+
+def _composition_bound(
+    trials: Sequence[TrialMechanism],
+    delta: float,
+    conditions: SweepConditions,
+    obstacles: list[str],
+) -> _QuotedBound:
+    """The RDP composition of the trials that ran: valid under adaptivity, whatever ran."""
+    n = len(trials)
+    if n == 0 and conditions.trial_count == "fixed":
+        raise DpivonError("no trial to account for: the sweep ran no trial")
+    facts = composition_facts(trials, delta)
+    entries = {
+        "per_trial_epsilon_max": max((trial_epsilon(t, delta) for t in set(trials)), default=0.0),
+        "num_trials": n,
+        "composition_epsilon": facts["composition_epsilon"],
+    }
+    why = (
+        "no trial ran for this group (K = 0 drawn): it released nothing"
+        if n == 0
+        else f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), "
+        f"so the bound is the RDP composition of all {n} trials, valid under adaptivity"
+    )
+    return _QuotedBound(entries, facts["composition_rdp"], "composition_epsilon", why)
+
+
+def _random_trials_bound(
+    candidates: Sequence[TrialMechanism], delta: float, conditions: SweepConditions
+) -> _QuotedBound:
+    """The Papernot & Steinke bound over every candidate mechanism of the search space."""
+    if not candidates:
+        raise DpivonError(
+            "the random-trials bound needs the candidate mechanisms of the whole space"
+        )
+    shape = _shape(conditions.trial_count)
+    curve = _rdp._compute_rdp_repeat_and_select(
+        ORDERS, _max_rdp_curve(candidates), conditions.mean_trials, shape
+    )
+    entries = {
+        "per_trial_epsilon_max": max(trial_epsilon(t, delta) for t in set(candidates)),
+        "random_trials_epsilon": epsilon_from_rdp(curve, delta),
+        "candidates": len(candidates),
+    }
+    why = (
+        f"hyper-parameters were drawn independently of the data from the OS entropy "
+        f"source, K from a {conditions.trial_count} distribution with mean "
+        f"{conditions.mean_trials:g} (drawn from the OS entropy source and kept private: "
+        f"this report states only its distribution), no trial was stopped on its "
+        f"metrics, and only one selected model is released: the Papernot & Steinke bound "
+        f"over all {len(candidates)} candidate mechanisms of the search space applies"
+    )
+    return _QuotedBound(entries, curve, "random_trials_epsilon", why)
+
+
 def tuning_privacy_report(
     trials: Sequence[TrialMechanism],
     delta: float,
@@ -359,68 +446,20 @@ def tuning_privacy_report(
     :func:`composition_facts`). ``accountant`` is the one that calibrated the trials.
     """
     _check_delta(delta)
-    n = len(trials)
     obstacles = conditions.random_trials_obstacles()
     # what the quoted bound is over: the trials that ran, or every candidate of the space
-    covered = trials if obstacles else candidates
-    noised = bool(covered) and all(t.private_validation for t in covered)
-    report: dict[str, Any] = {
-        "trial_count": conditions.trial_count,
-        "mean_trials": conditions.mean_trials,
-        "adaptive": conditions.adaptive,
-        "release": conditions.release,
-        "accountant": "rdp",
-        "records_covered": (
-            "training and validation records (validation scores are noised)"
-            if noised
-            else "training records only: validation scores are exact, so the validation "
-            "records that steer selection have no DP protection"
-        ),
-        "outputs_covered": RELEASES[conditions.release],
-    }
-    if obstacles:
-        if n == 0 and conditions.trial_count == "fixed":
-            raise DpivonError("no trial to account for: the sweep ran no trial")
-        facts = composition_facts(trials, delta)
-        report["per_trial_epsilon_max"] = max(
-            (trial_epsilon(t, delta) for t in set(trials)), default=0.0
-        )
-        report["num_trials"] = n
-        report["composition_epsilon"] = facts["composition_epsilon"]
-        curve = facts["composition_rdp"]
-        quoted = "composition_epsilon"
-        why = (
-            "no trial ran for this group (K = 0 drawn): it released nothing"
-            if n == 0
-            else f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), "
-            f"so the bound is the RDP composition of all {n} trials, valid under adaptivity"
-        )
-    else:
-        if not candidates:
-            raise DpivonError(
-                "the random-trials bound needs the candidate mechanisms of the whole space"
-            )
-        shape = _shape(conditions.trial_count)
-        curve = _rdp._compute_rdp_repeat_and_select(
-            ORDERS, _max_rdp_curve(candidates), conditions.mean_trials, shape
-        )
-        report["per_trial_epsilon_max"] = max(trial_epsilon(t, delta) for t in set(candidates))
-        report["random_trials_epsilon"] = epsilon_from_rdp(curve, delta)
-        report["candidates"] = len(candidates)
-        quoted = "random_trials_epsilon"
-        why = (
-            f"hyper-parameters were drawn independently of the data from the OS entropy "
-            f"source, K from a {conditions.trial_count} distribution with mean "
-            f"{conditions.mean_trials:g} (drawn from the OS entropy source and kept private: "
-            f"this report states only its distribution), no trial was stopped on its "
-            f"metrics, and only one selected model is released: the Papernot & Steinke bound "
-            f"over all {len(candidates)} candidate mechanisms of the search space applies"
-        )
-    report["quoted_epsilon"] = report[quoted]
-    report["quote"] = f"{quoted}: {why}.{_accountant_note(accountant)}"
+    report = _threat_model(conditions, trials if obstacles else candidates)
+    bound = (
+        _composition_bound(trials, delta, conditions, obstacles)
+        if obstacles
+        else _random_trials_bound(candidates, delta, conditions)
+    )
+    report.update(bound.entries)
+    report["quoted_epsilon"] = report[bound.name]
+    report["quote"] = f"{bound.name}: {bound.why}.{_accountant_note(accountant)}"
     # The quoted bound as an RDP curve on ORDERS: a production run tuned by this sweep
     # composes with it (see compose_with_tuning).
-    report["quoted_rdp"] = [float(v) for v in curve]
+    report["quoted_rdp"] = [float(v) for v in bound.curve]
     return report
 
 
@@ -470,3 +509,20 @@ def solve_trial_epsilon(
             "trials, or raise the total budget"
         )
     return low
+
+
+def solve_trial_epsilon_within(
+    total_epsilon: float,
+    candidates_at: Callable[[float], Sequence[TrialMechanism]],
+    delta: float,
+    conditions: SweepConditions,
+    num_trials: int,
+) -> float:
+    """The pre-sweep accounting of a total budget: the largest epsilon each of a group's
+    ``num_trials`` trials may target such that the quoted tuning epsilon, worst case over
+    ``candidates_at(eps)`` (every mechanism the search space produces at eps, see
+    :func:`candidate_mechanisms`), is at most ``total_epsilon``."""
+    return solve_trial_epsilon(
+        total_epsilon,
+        lambda eps: worst_case_tuning_epsilon(candidates_at(eps), delta, conditions, num_trials),
+    )

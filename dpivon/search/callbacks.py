@@ -8,6 +8,7 @@ pickled with the Tune experiment for `--resume`, hence the lazily created MLflow
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -19,17 +20,16 @@ from ray import tune
 from rich.console import Console
 
 from dpivon.errors import DpivonError
-from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus, child_runs
-from dpivon.search.space import SearchSpace
-from dpivon.search.storage import SweepStorage
+from dpivon.orchestration.storage import SweepStorage
+from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
 from dpivon.search.trial import (
     COMPLETE,
     DIVERGED,
     DIVERGED_ERROR,
     GROUP_KEY,
-    trial_train_config,
+    TRIAL_CONFIG,
 )
-from dpivon.tracking import REDACTED, Tracker, check_tracking_server, redact_uri
+from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.
 TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
@@ -58,6 +58,7 @@ _SKIPPED = {
     "should_checkpoint",
     "epoch",
     DIVERGED_ERROR,
+    TRIAL_CONFIG,
 }
 
 
@@ -81,21 +82,20 @@ class MlflowTrialLogger(tune.Callback):
         tracking_uri: str,
         experiment: str,
         parent_run_id: str,
-        base_config: dict[str, Any],
-        space: SearchSpace,
+        run_name: str,
         tags: dict[str, str],
         storage: SweepStorage,
     ):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.parent_run_id = parent_run_id
-        self.base_config = base_config
-        self.space = space
+        self.run_name = run_name  # its trials' runs are <run_name>-<trial id>
         self.tags = tags
         self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
         self.started: set[str] = set()  # trials whose "start" this driver has queued
+        self.configured: set[str] = set()  # trials whose config (params) it has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -110,6 +110,7 @@ class MlflowTrialLogger(tune.Callback):
             "_tracker": None,
             "run_ids": {},
             "started": set(),
+            "configured": set(),
             "pending": [],
             "_retry_at": 0.0,
             "_down_since": None,
@@ -134,7 +135,8 @@ class MlflowTrialLogger(tune.Callback):
             self._tracker = Tracker(self._real_uri(), self.experiment)
             # After a resume the trial -> run mapping comes from MLflow itself, so a trial
             # that runs again reuses its run instead of getting a duplicate.
-            self.run_ids = child_runs_by_trial(self._tracker, self.parent_run_id)
+            runs = self._tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG)
+            self.run_ids = {trial: run.info.run_id for trial, run in runs.items()}
         return self._tracker
 
     # --- the queue ----------------------------------------------------------------------
@@ -151,13 +153,14 @@ class MlflowTrialLogger(tune.Callback):
                 run_id = tracker.start_run(
                     write["name"], parent_run_id=self.parent_run_id, tags=write["tags"]
                 )
-                tracker.log_params(run_id, write["params"])
                 self.run_ids[trial_id] = run_id
             else:
-                tracker.client.update_run(run_id, status="RUNNING")  # a resumed trial
+                tracker.set_run_status(run_id, "RUNNING")  # a resumed trial
             return
         run_id = self.run_ids[trial_id]  # its "start" write went out before this one
-        if write["op"] == "metrics":
+        if write["op"] == "params":
+            tracker.log_params(run_id, write["params"])
+        elif write["op"] == "metrics":
             tracker.log_metrics(run_id, write["metrics"], step=write["step"])
         elif write["op"] == "tags":
             tracker.set_tags(run_id, write["tags"])
@@ -210,17 +213,19 @@ class MlflowTrialLogger(tune.Callback):
     # --- Tune's events ------------------------------------------------------------------
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        config = trial_train_config(self.base_config, self.space, trial.config, trial.trial_id)
         self.started.add(trial.trial_id)
         self._queue(
             trial,
             "start",
-            name=f"{config.optimizer.name}-eps{config.privacy.epsilon:g}-{trial.trial_id}",
+            name=f"{self.run_name}-{trial.trial_id}",
             tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: TrialStatus.RUNNING},
-            params=config.flat(),
         )
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if trial.trial_id not in self.configured and TRIAL_CONFIG in result:
+            # the config the trial trains with, as its worker built it
+            self.configured.add(trial.trial_id)
+            self._queue(trial, "params", params=json.loads(result[TRIAL_CONFIG]))
         metrics = {
             k: v
             for k, v in result.items()
@@ -281,11 +286,6 @@ def trial_error(trial) -> str:
         return lines[-1][:2000] if lines else str(error_file)
     except (OSError, TypeError):
         return "failed (see the Ray trial logs)"
-
-
-def child_runs_by_trial(tracker: Tracker, parent_run_id: str) -> dict[str, str]:
-    runs = child_runs(tracker, parent_run_id)
-    return {r.data.tags[TRIAL_TAG]: r.info.run_id for r in runs if TRIAL_TAG in r.data.tags}
 
 
 # What became of a trial, as the progress line counts it.
@@ -352,9 +352,6 @@ class SweepProgress(tune.Callback):
         self.group, self.total, self.sweep_total = group, total, sweep_total
         self.objective, self.mode = objective, mode
         self.best = -math.inf if mode == "max" else math.inf
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__)
 
     def _line(self, trial, what: str, trials, outcome: str | None = None) -> None:
         now = {trial.trial_id: outcome} if outcome else {}

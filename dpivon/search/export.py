@@ -1,7 +1,7 @@
 """Find a finished sweep and turn its Pareto-optimal trials into production configs.
 
 The sweep is read wherever it is stored (a local folder, ``s3://``, ``gs://``: see
-:mod:`dpivon.search.storage`); trial checkpoints on remote storage are downloaded to a
+:mod:`dpivon.orchestration.storage`); trial checkpoints on remote storage are downloaded to a
 temporary folder to be read.
 
 An exported config is the trial's complete TrainConfig (read from the trial's own model
@@ -31,11 +31,11 @@ import yaml
 
 from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError
+from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.report import PRIVATE_TUNING_FILE
-from dpivon.search.storage import SweepStorage, local_copy
-from dpivon.search.sweep import FRONT_FILE, STATE_FILE, TRIALS_FILE, TUNING_FILE, SweepState
+from dpivon.search.sweep import SweepState
+from dpivon.search.sweep_files import FRONT_FILE, PRIVATE_TUNING_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
 
 DEFAULT_STORAGE = "dpivon-runs"
@@ -47,15 +47,15 @@ def resolve_sweep(sweep: str) -> SweepStorage:
     if "://" in sweep or Path(sweep).is_dir():
         found = SweepStorage.at(sweep)
     elif Path(sweep).is_file() and Path(sweep).suffix in (".yaml", ".yml"):
-        pipeline = load_pipeline(sweep)
-        found = SweepStorage(pipeline.storage_path, pipeline.name)
+        found = load_pipeline(sweep).storage
     else:
         found = SweepStorage(DEFAULT_STORAGE, sweep)
-    if found.exists(STATE_FILE):
+    if SweepState.exists(found):
         return found
+    state_file = SweepState.file_name
     raise DpivonError(
-        f"no sweep found for {sweep!r} (no {found.uri}/{STATE_FILE}): pass a sweep folder or "
-        f"URI (holding {STATE_FILE}), the pipeline file, or the name of a sweep under "
+        f"no sweep found for {sweep!r} (no {found.uri}/{state_file}): pass a sweep folder or "
+        f"URI (holding {state_file}), the pipeline file, or the name of a sweep under "
         f"{DEFAULT_STORAGE}/"
     )
 

@@ -30,11 +30,18 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from dpivon.data import DataSplits
+from dpivon.orchestration.run_file import Resources
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
-from dpivon.search.pipeline import Pipeline, Resources
-from dpivon.search.results import BUDGET_TAG, GROUP_TAG, TRIAL_EPSILON_TAG, group_name
+from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
+from dpivon.search.results import (
+    BUDGET_TAG,
+    GROUP_TAG,
+    OPTIMIZER_TAG,
+    TRIAL_EPSILON_TAG,
+    group_name,
+)
 from dpivon.search.space import SearchSpace
-from dpivon.search.storage import SweepStorage
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, run_trial
 
 
@@ -50,13 +57,18 @@ class SweepGroup:
     space: SearchSpace
 
     @property
+    def run_name(self) -> str:
+        """What its trials' MLflow runs are called, before the trial id."""
+        return f"{self.optimizer}-eps{self.base_config['epsilon']:g}"
+
+    @property
     def tags(self) -> dict[str, str]:
         """Its trials' tags: the group's budget and the epsilon each trial spends are two
         fields (they differ under ``total_epsilon``); fronts, hypervolumes, ``pareto`` and
         ``export --epsilon`` go by the budget."""
         return {
             GROUP_TAG: self.name,
-            "dpivon.optimizer": self.optimizer,
+            OPTIMIZER_TAG: self.optimizer,
             BUDGET_TAG: repr(float(self.epsilon)),
             TRIAL_EPSILON_TAG: repr(float(self.base_config["epsilon"])),
         }
@@ -263,12 +275,7 @@ class GroupCallbacks(tune.Callback):
 
 def _sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
     """Optuna's sampler ``name``; seed None: seeded from the OS entropy source."""
-    samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
-        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-    }
-    return samplers[name]()
+    return getattr(optuna.samplers, OPTUNA_SAMPLERS[name])(seed=seed)
 
 
 def group_trainable(
@@ -334,7 +341,7 @@ def group_tuner(
         {
             g.name: [
                 MlflowTrialLogger(
-                    tracking_uri, experiment, parent_run_id, g.base_config, g.space, g.tags, storage
+                    tracking_uri, experiment, parent_run_id, g.run_name, g.tags, storage
                 ),
                 SweepProgress(
                     g.name,

@@ -42,7 +42,8 @@ shown or described)::
     tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: dpivon-quickstart    # MLflow experiment; default "dpivon-" + name
     storage_path: dpivon-runs        # a path (relative to the current directory) or a URI:
-                                     # s3://bucket/prefix, gs://..., file:// (search.storage)
+                                     # s3://bucket/prefix, gs://..., file://
+                                     # (dpivon.orchestration.storage)
     max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
@@ -72,15 +73,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -89,24 +87,34 @@ from pydantic import (
 )
 
 from dpivon.config import (
-    CIFAR10_TRAIN_IMAGES,
-    DataConfig,
-    ModelConfig,
     TrainConfig,
     TrainingConfig,
-    config_key,
     format_validation_error,
-    read_yaml_mapping,
+    parse_config,
 )
-from dpivon.constraints import Bool, Bound, Count, Float, Int, Probability
+from dpivon.constraints import Bound, FiniteEpsilon, Float, Int
 from dpivon.errors import DpivonError
-from dpivon.optim.registry import OPTIMIZERS, OptimizerName
-from dpivon.privacy.accounting import check_delta, check_plan_reachable
-from dpivon.privacy.tuning import SweepConditions
+from dpivon.optim.registry import OptimizerName
+from dpivon.orchestration.run_file import (
+    Concurrency,
+    Epsilons,
+    RunFile,
+    StrictModel,
+    distinct,
+    group_budget,
+    train_extras,
+)
+from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.privacy.tuning import (
+    TRIAL_COUNTS,
+    SweepConditions,
+    TrialCount,
+    TrialMechanism,
+    candidate_mechanisms,
+)
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
-    "CIFAR10_TRAIN_IMAGES",
     "METRIC_MODES",
     "Pipeline",
     "draw_trial_count",
@@ -120,69 +128,33 @@ METRIC_MODES: dict[str, str] = {
     "val_nll": "min",
     "val_brier": "min",
 }
-_NAME = re.compile(r"[a-z0-9_-]+")
+# Optuna's sampler class of each ``sampler:`` choice (imported by the sweep, not here)
+OPTUNA_SAMPLERS: dict[str, str] = {
+    "tpe": "TPESampler",
+    "nsga2": "NSGAIISampler",
+    "random": "RandomSampler",
+}
 # Upper bounds of the counts, each with what it protects
 MAX_TRIALS = 10_000
 _TRIALS_WHY = "per group, each trial a whole training run; split a larger search into sweeps"
-MAX_CONCURRENCY = 4096
-CONCURRENCY_WHY = "runs in flight at once, more than any Ray cluster here holds"
 MAX_RETRIES = 100
 _RETRIES_WHY = "retries of one trial; one that failed 100 times will fail again"
 
 
-def group_budget(optimizer: str, epsilon: float) -> float:
-    """The budget that labels a group of ``optimizer`` at the listed ``epsilon``: that
-    epsilon, or inf for a non-private optimizer, which spends none whatever is listed."""
-    return float(epsilon) if OPTIMIZERS[optimizer].private else math.inf
-
-
-def train_extras(train: Any) -> Any:
-    """A ``train:`` block as flat TrainConfig keys (given flat, or as paths such as
-    ``optimizer.lr``); :class:`RunFile` checks that it sets none the file owns."""
-    if train is None:
-        return {}
-    if not isinstance(train, dict):
-        return train  # the dict type check reports it
-    return {config_key(str(key)): value for key, value in train.items()}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _model_shorthand(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value
-
-
-class OptimizerEntry(_Strict):
+class OptimizerEntry(StrictModel):
     name: OptimizerName
     space: str = Field(min_length=1)
     # fixed keys for this optimizer only
-    train: Annotated[dict[str, Any], BeforeValidator(train_extras)] = {}
+    train: Annotated[dict[str, Any], BeforeValidator(train_extras)] = Field(default_factory=dict)
 
 
-class Resources(_Strict):
-    cpu: Float = 1.0
-    gpu: Float = 0.0
-
-    @model_validator(mode="after")
-    def _check(self) -> Resources:
-        if not (math.isfinite(self.cpu) and self.cpu > 0):
-            raise ValueError(f"cpu must be > 0, got {self.cpu}")
-        if not (math.isfinite(self.gpu) and self.gpu >= 0):
-            raise ValueError(f"gpu must be >= 0, got {self.gpu}")
-        if self.gpu > 1 and self.gpu != int(self.gpu):
-            raise ValueError(f"gpu above 1 must be a whole number (Ray), got {self.gpu}")
-        return self
-
-
-class AshaScheduler(_Strict):
+class AshaScheduler(StrictModel):
     type: Literal["asha"]
     grace_period: Annotated[Int, Bound(ge=1)] = 1
     reduction_factor: Float = Field(2.0, gt=1)
 
 
-class NoScheduler(_Strict):
+class NoScheduler(StrictModel):
     type: Literal["none"]
 
 
@@ -197,8 +169,8 @@ Scheduler = Annotated[
 ]
 
 
-class Objective(_Strict):
-    metric: Literal["val_accuracy", "val_ece", "val_nll", "val_brier"]
+class Objective(StrictModel):
+    metric: Literal[tuple(METRIC_MODES)]
     mode: Literal["max", "min"]
 
     @model_validator(mode="after")
@@ -209,145 +181,37 @@ class Objective(_Strict):
         return self
 
 
-def as_list(value: Any) -> Any:
-    """A scalar as a one-item list (``epsilons: 8``)."""
-    return value if isinstance(value, list) else [value]
-
-
-class RunFile(_Strict):
-    """What every run file (a sweep pipeline, a benchmark pipeline) holds and checks the
-    same way: the config sections its runs share, and where they are tracked and stored."""
-
-    kind: ClassVar[str]  # what its name names: a sweep, a benchmark
-    noun: ClassVar[str]  # what the file is called in messages
-
-    name: str
-    data: DataConfig = DataConfig()
-    model: Annotated[ModelConfig, BeforeValidator(_model_shorthand)] = ModelConfig()
-    epochs: Count = TrainingConfig.model_fields["epochs"].default
-    delta: Probability = 1e-5
-    accountant: Literal["rdp", "prv"] = "rdp"
-    resources: Resources = Resources()
-    tracking_uri: str | None = None
-    experiment: str = ""
-    storage_path: str = Field("dpivon-runs", min_length=1)
-    # true: every run's noise and sampling follow its seed (reproducible, no DP guarantee for
-    # anything released); false: secure noise (dpivon.privacy.noise)
-    research_mode: Bool = False
-    train: dict[str, Any] = Field(default_factory=dict)  # more TrainConfig keys for every run
-
-    _path: Path | None = PrivateAttr(None)
-    _source_text: str = PrivateAttr("")
-
-    @property
-    def path(self) -> Path | None:
-        """The file it was read from."""
-        return self._path
-
-    @property
-    def source_text(self) -> str:
-        """The file's text, for logging it with the runs."""
-        return self._source_text
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_experiment(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("experiment") is None:
-            data = {**data, "experiment": f"dpivon-{data.get('name')}"}
-        return data
-
-    @field_validator("train", mode="before")
-    @classmethod
-    def _check_train(cls, train: Any) -> Any:
-        return train_extras(train)
-
-    @field_validator("data")
-    @classmethod
-    def _synthetic_size_for_synthetic(cls, data: DataConfig) -> DataConfig:
-        if data.dataset != "synthetic" and "synthetic_size" in data.model_fields_set:
-            raise ValueError("synthetic_size applies to dataset synthetic only; remove it")
-        return data
-
-    @property
-    def owned_keys(self) -> frozenset[str]:
-        """The TrainConfig keys this file's own keys set for every run: the keys of what
-        builds a run's config (a subclass's), so no second list can disagree with it."""
-        raise NotImplementedError
-
-    def train_blocks(self) -> dict[str, dict[str, Any]]:
-        """Every ``train:`` block of the file, by where it is."""
-        return {"train": self.train}
-
-    @model_validator(mode="after")
-    def _check_runs(self) -> RunFile:
-        check_delta(self.delta, self.data.train_size)
-        for where, train in self.train_blocks().items():
-            owned = [key for key in train if key in self.owned_keys]
-            if owned:
-                raise ValueError(
-                    f"{where}: {owned[0]} is a {self.noun} setting, not a train extra; set it "
-                    f"with the {self.noun}'s own key (data:, model:, epochs:, epsilons:, ...)"
-                )
-        return self
-
-    def shared_train_config(self, seed: int) -> dict[str, Any]:
-        """The TrainConfig keys (flat) every run of this file starts from: its data (the
-        split from ``data.data_seed``, else ``seed``), model, epochs, accounting and noise mode."""
-        data = self.data.model_dump()
-        data["data_seed"] = seed if self.data.data_seed is None else self.data.data_seed
-        return {
-            **data,
-            "model": self.model.name,
-            "epochs": self.epochs,
-            "delta": self.delta,
-            "accountant": self.accountant,
-            "research_mode": self.research_mode,
-        }
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not _NAME.fullmatch(name):
-            raise ValueError(
-                f"{name!r} is not a valid {cls.kind} name; use lowercase letters, digits, - and _"
-            )
-        return name
-
-    @field_validator("experiment", check_fields=False)
-    @classmethod
-    def _check_experiment(cls, experiment: str) -> str:
-        if not experiment.strip():
-            raise ValueError("experiment must not be empty (omit it for dpivon-<name>)")
-        return experiment
-
-
 class Pipeline(RunFile):
     """A validated sweep pipeline; build it with :func:`load_pipeline`."""
 
     kind: ClassVar[str] = "sweep"
     noun: ClassVar[str] = "pipeline"
 
-    epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)] | None = None
+    epsilons: Epsilons | None = None
     # The budget of each group's release instead of each trial's: dpivon solves the per-trial
     # epsilon so that the quoted tuning epsilon is at most this (omit `epsilons` then).
-    total_epsilon: Float | None = None
+    total_epsilon: FiniteEpsilon | None = None
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
     # release: best: the metric (one of the objectives) that selects the one released model
     best_by: str | None = None
     validation_noise: Annotated[Float, Bound(ge=0)] = (
         0.0  # > 0: DP validation scores (val_noise_multiplier)
     )
-    optimizers: list[OptimizerEntry] = Field(min_length=1)
-    trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
-    trial_count: Literal["fixed", "poisson", "geometric"] = "fixed"
-    # trials in flight at once over the whole sweep (all groups); None: as many as fit
-    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] | None = 1
-    scheduler: Scheduler = NoScheduler(type="none")
-    objectives: list[Objective] = [
-        Objective(metric="val_accuracy", mode="max"),
-        Objective(metric="val_ece", mode="min"),
+    optimizers: Annotated[
+        list[OptimizerEntry], Field(min_length=1), distinct("optimizers", lambda e: e.name)
     ]
-    sampler: Literal["tpe", "nsga2", "random"] = "tpe"
+    trials: Annotated[Int, Bound(ge=1, le=MAX_TRIALS, why=_TRIALS_WHY)]
+    trial_count: TrialCount = "fixed"
+    # trials in flight at once over the whole sweep (all groups); None: as many as fit
+    concurrency: Concurrency | None = 1
+    scheduler: Scheduler = NoScheduler(type="none")
+    objectives: list[Objective] = Field(
+        default_factory=lambda: [
+            Objective(metric="val_accuracy", mode="max"),
+            Objective(metric="val_ece", mode="min"),
+        ]
+    )
+    sampler: Literal[tuple(OPTUNA_SAMPLERS)] = "tpe"
     seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
     max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
@@ -374,10 +238,6 @@ class Pipeline(RunFile):
                 "give either epsilons (each trial's budget) or total_epsilon (the budget of "
                 "each group's tuned release), not both and not neither"
             )
-        if self.total_epsilon is not None and not (
-            self.total_epsilon > 0 and math.isfinite(self.total_epsilon)
-        ):
-            raise ValueError(f"total_epsilon must be finite and > 0, got {self.total_epsilon}")
         if self.validation_noise > 0:
             noisy = {"val_accuracy", "val_ece"}
             other = [o.metric for o in self.objectives if o.metric not in noisy]
@@ -387,27 +247,6 @@ class Pipeline(RunFile):
                     f"objective {other[0]} would be exact: use val_accuracy and val_ece"
                 )
         return self
-
-    @field_validator("epsilons")
-    @classmethod
-    def _check_epsilons(cls, epsilons: list[float] | None) -> list[float] | None:
-        if epsilons is None:
-            return None
-        for eps in epsilons:
-            if not eps > 0:  # also rejects nan
-                raise ValueError(f"every epsilon must be > 0 (.inf = non-private), got {eps}")
-        if len(set(epsilons)) != len(epsilons):
-            raise ValueError(f"epsilons must be distinct, got {epsilons}")
-        return epsilons
-
-    @field_validator("optimizers")
-    @classmethod
-    def _check_optimizers(cls, entries: list[OptimizerEntry]) -> list[OptimizerEntry]:
-        names = [e.name for e in entries]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"optimizer {', '.join(twice)} listed more than once; list it once")
-        return entries
 
     @field_validator("objectives")
     @classmethod
@@ -435,6 +274,11 @@ class Pipeline(RunFile):
                     f"epochs ({self.epochs}), else asha never stops a trial"
                 )
         return self
+
+    @classmethod
+    def error_message(cls, err: ValidationError) -> str:
+        # the scheduler's union tags (asha, none) are no keys of the file
+        return drop_union_tags(format_validation_error(err), ("asha", "none"))
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -514,15 +358,6 @@ class Pipeline(RunFile):
             return [float(self.total_epsilon)]
         return [float(e) for e in self.epsilons]
 
-    @property
-    def trial_count_shape(self) -> float | None:
-        """The ``shape`` of ``dp_accounting``'s ``RepeatAndSelectDpEvent`` for this draw.
-
-        ``inf`` for poisson, ``1`` for geometric (mean = ``trials``); ``None`` for fixed,
-        where the honest bound for releasing the best trial is plain composition.
-        """
-        return {"fixed": None, "poisson": math.inf, "geometric": 1.0}[self.trial_count]
-
     def trial_counts(self) -> dict[tuple[str, float], int]:
         """The number of trials of each (optimizer, budget) group, in listed order.
 
@@ -531,6 +366,23 @@ class Pipeline(RunFile):
         counts in its state file (private, like the checkpoints), so a resume keeps them.
         """
         return {group: draw_trial_count(self.trial_count, self.trials) for group in self.groups}
+
+    def candidate_mechanisms(self, optimizer: str, trial_epsilon: float) -> list[TrialMechanism]:
+        """Mechanisms covering every trial ``optimizer``'s space can produce when each
+        targets ``trial_epsilon`` (what the tuning bounds are over before trials run)."""
+        batch_sizes = self.spaces[optimizer].all_values("batch_size")
+        if batch_sizes is None:
+            base = self.base_train_config(optimizer, self.epsilon_list[0])
+            batch_sizes = [parse_config(base).training.batch_size]
+        return candidate_mechanisms(
+            batch_sizes,
+            dataset_size=self.data.train_size,
+            epochs=self.epochs,
+            target_epsilon=trial_epsilon,
+            delta=self.delta,
+            accountant=self.accountant,
+            validation_noise_multiplier=self.validation_noise,
+        )
 
     def owned_settings(self, optimizer: str, epsilon: float) -> dict[str, Any]:
         """The TrainConfig keys the pipeline's own keys set for every trial of a group that
@@ -599,21 +451,14 @@ def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | Non
         return int(rng.geometric(1.0 / mean))
     if trial_count == "poisson":
         return int(rng.poisson(mean))
-    raise DpivonError(f"unknown trial_count {trial_count!r}; use fixed, poisson or geometric")
+    raise DpivonError(f"unknown trial_count {trial_count!r}; use one of {', '.join(TRIAL_COUNTS)}")
 
 
 def load_pipeline(path: str | Path) -> Pipeline:
     """Read and validate a pipeline YAML file and the search spaces it names."""
     path = Path(path)
-    data = read_yaml_mapping(path)
+    pipeline = Pipeline.read(path)
     where = f"pipeline {path}"
-    try:
-        pipeline = Pipeline.model_validate(data)
-    except ValidationError as err:
-        message = drop_union_tags(format_validation_error(err), ("asha", "none"))
-        raise DpivonError(f"invalid {where}: {message}") from None
-    pipeline._path = path
-    pipeline._source_text = path.read_text()
 
     spaces: dict[str, SearchSpace] = {}
     for i, entry in enumerate(pipeline.optimizers):

@@ -12,15 +12,15 @@ from enum import StrEnum
 import pandas as pd
 from mlflow.entities import Run
 
-from dpivon.tracking import Tracker
+from dpivon.tracking.client import Tracker
 
 TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
+OPTIMIZER_TAG = "dpivon.optimizer"
 BUDGET_TAG = "dpivon.epsilon"  # the group's budget: what its fronts and exports go by
 TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
-_PAGE = 1000  # child runs per MLflow query page
 
 
 class TrialStatus(StrEnum):
@@ -36,23 +36,6 @@ class TrialStatus(StrEnum):
 def group_name(optimizer: str, epsilon: float) -> str:
     """The key of one (optimizer, epsilon) group: its study, MLflow tag, report entries."""
     return f"eps{epsilon:g}-{optimizer}"
-
-
-def child_runs(tracker: Tracker, parent_run_id: str) -> list[Run]:
-    """Every child run of the parent run (one per trial), all pages of the query."""
-    runs: list[Run] = []
-    token = None
-    while True:
-        page = tracker.client.search_runs(
-            [tracker.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-            max_results=_PAGE,
-            page_token=token,
-        )
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
 
 
 def trial_status(run: Run) -> TrialStatus:
@@ -76,16 +59,16 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
     filter goes by it), ``trial_epsilon`` what the trial spent: the same number unless the
     sweep has a ``total_epsilon``."""
     rows = []
-    for run in child_runs(tracker, parent_run_id):
+    for run in tracker.child_runs(parent_run_id):
         tags, params = run.data.tags, run.data.params
         rows.append(
             {
                 "trial_id": tags.get(TRIAL_TAG),
                 "run_id": run.info.run_id,
                 "group": tags.get(GROUP_TAG),
-                "optimizer": params.get("optimizer"),
+                "optimizer": tags.get(OPTIMIZER_TAG, params.get("optimizer")),
                 "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
-                "trial_epsilon": float(params.get("epsilon", "nan")),
+                "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
                 "status": trial_status(run).value,
                 "checkpoint": tags.get(CHECKPOINT_TAG),
                 **{f"param.{k}": v for k, v in params.items()},

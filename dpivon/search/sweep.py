@@ -6,10 +6,10 @@ searcher that multiplexes the studies (each suggested config carries its group) 
 sweep-wide ``concurrency`` limit, so the cluster stays busy across groups. Each trial
 recalibrates sigma_p for its own batch size and epochs. The driver alone writes MLflow: one
 parent run per sweep, one child run per trial (dpivon.search.callbacks). When every trial
-has run, dpivon.search.report builds the fronts and the report from the MLflow record.
+has run, dpivon.search.sweep_report builds the fronts and the report from the MLflow record.
 
 Sweep state lives in ``<storage_path>/<name>/`` (a local folder, or ``s3://`` / ``gs://``
-/ ``file://`` through dpivon.search.storage): ``sweep.json`` (parent run, per-trial
+/ ``file://`` through dpivon.orchestration.storage): ``sweep.json`` (parent run, per-trial
 epsilons, each group's drawn trial count), the Tune experiment ``trials/`` (trial
 checkpoints, searcher state), ``tuning_private.json``, the final tables and plots. The
 state file, the Tune experiment and ``tuning_private.json`` are private, like the data.
@@ -21,23 +21,17 @@ data) are deleted; the final checkpoints hold only models.
 
 from __future__ import annotations
 
-import json
-import logging
+import math
 import os
-import platform
 import signal
-import socket
-import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from importlib import metadata
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-import optuna
 import pandas as pd
 import ray
 from ray import tune
@@ -46,54 +40,35 @@ from rich.console import Console
 from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
+from dpivon.orchestration.provenance import provenance
+from dpivon.orchestration.ray_cluster import init_ray
+from dpivon.orchestration.run_file import Resources
+from dpivon.orchestration.state_file import RunState
+from dpivon.orchestration.storage import SweepStorage
+from dpivon.privacy.tuning import solve_trial_epsilon_within
 from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
-from dpivon.search.pipeline import Pipeline, Resources
-from dpivon.search.report import (
-    FRONT_FILE,
-    TRIALS_FILE,
-    TUNING_FILE,
-    report_sweep,
-    solve_trial_epsilons,
-)
-from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, child_runs, group_name
-from dpivon.search.storage import SweepStorage
+from dpivon.search.pipeline import Pipeline
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, group_name
+from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
-from dpivon.tracking import Tracker
+from dpivon.tracking.client import Tracker
 from dpivon.training import load_data
 
-# Names other modules import from here (dpivon.search.export, dpivon.study).
-__all__ = [
-    "FRONT_FILE",
-    "STATE_FILE",
-    "TRIALS_FILE",
-    "TUNING_FILE",
-    "SweepInterrupted",
-    "SweepState",
-    "group_name",
-    "run_sweep",
-    "sweep_storage",
-]
-
-STATE_FILE = "sweep.json"
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
-RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for minutes
 NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
 SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
 _TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
-RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 console = Console(stderr=True)
 
 
 @dataclass
-class SweepState:
+class SweepState(RunState):
     """What a resumed driver needs: the parent run and the epsilon each group's trials spend."""
 
-    name: str
-    pipeline_path: str
-    tracking_uri: str
-    experiment: str
-    parent_run_id: str
+    file_name: ClassVar[str] = "sweep.json"
+    kind: ClassVar[str] = "sweep"
+
     objectives: list[tuple[str, str]]
     # group -> the epsilon each of its trials spends (differs from the group's budget only
     # with total_epsilon); fixed when the sweep starts so that a resume keeps it
@@ -104,26 +79,8 @@ class SweepState:
     # release: best: the export pick that selects the released model (None: any pick)
     release_pick: str | None = None
 
-    @classmethod
-    def load(cls, storage: SweepStorage) -> SweepState:
-        state = storage.read_json(STATE_FILE)
-        known = {f.name for f in fields(cls)}  # older sweeps also listed their finished groups
-        try:
-            state["objectives"] = [tuple(pair) for pair in state["objectives"]]
-            return cls(**{k: v for k, v in state.items() if k in known})
-        except (KeyError, TypeError) as err:
-            raise DpivonError(
-                f"{storage.uri_of(storage.path)}/{STATE_FILE} lacks the sweep's state "
-                f"({type(err).__name__}: {err}); a damaged sweep file"
-            ) from None
-
-    def save(self, storage: SweepStorage) -> None:
-        storage.write_text(STATE_FILE, json.dumps(self.__dict__, indent=2))  # atomic
-
-
-def sweep_storage(pipeline: Pipeline) -> SweepStorage:
-    """The sweep's folder ``<storage_path>/<name>``, wherever it is stored."""
-    return SweepStorage(pipeline.storage_path, pipeline.name)
+    def __post_init__(self) -> None:
+        self.objectives = [tuple(pair) for pair in self.objectives]  # JSON holds lists
 
 
 def _run_trials(
@@ -168,7 +125,7 @@ def _run_trials(
 def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
     """Whether MLflow records an outcome for every trial of every group (a trial's outcome
     is its last write): a finished sweep, whose resume restores nothing of Tune's."""
-    runs = child_runs(tracker, parent_run_id)
+    runs = tracker.child_runs(parent_run_id)
     ended = Counter(
         run.data.tags.get(GROUP_TAG)
         for run in runs
@@ -275,57 +232,12 @@ class StopWhenSaved(tune.Callback):
 
 def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
     """The child runs an interruption left RUNNING end KILLED (a resume reopens them)."""
-    for run in child_runs(tracker, parent_run_id):
+    for run in tracker.child_runs(parent_run_id):
         if run.info.status == "RUNNING":
             tracker.end_run(run.info.run_id, "KILLED")
 
 
 # --- Ray ------------------------------------------------------------------------------------
-
-
-def _check_reachable(address: str) -> None:
-    """Nothing answering at a host:port address is one line within seconds, not minutes of
-    Ray's own retries. ``auto`` and ``local`` are Ray's to resolve."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if address in ("auto", "local") or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), RAY_CONNECT_TIMEOUT_S):
-            pass
-    except OSError as err:
-        raise DpivonError(
-            f"cannot reach the Ray cluster at {address} within {RAY_CONNECT_TIMEOUT_S:g} s "
-            f"({err or type(err).__name__}); check --address / RAY_ADDRESS, or omit both for "
-            "a local Ray"
-        ) from None
-
-
-def _init_ray(address: str | None) -> bool:
-    """Connect to the cluster at ``address`` (else $RAY_ADDRESS, else start a local Ray);
-    True when this joined an existing cluster, whose nodes may still be joining."""
-    # Trial failures are reported by SweepProgress in one line and recorded in MLflow;
-    # Tune's own tracebacks and state messages would bury them.
-    logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables at all
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # resumable within a second
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        _check_reachable(address)
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            # Ray starts its local cluster with token authentication (its default, kept) and
-            # warns about that default at every start: nothing there for the user to do.
-            # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
-            logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as err:
-        raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
-    return bool(address) and address != "local"
 
 
 def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
@@ -357,31 +269,13 @@ def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
 def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
     """Connect to the Ray cluster, check that a trial fits on it, and return how many
     trials run at once."""
-    joined = _init_ray(address)
+    joined = init_ray(address)
     slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     return pipeline.concurrency or slots
 
 
 # --- the sweep ------------------------------------------------------------------------------
-
-
-def _provenance() -> dict[str, str]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    versions = {
-        f"version.{p}": metadata.version(p)
-        for p in ("torch", "opacus", "ray", "optuna", "mlflow", "pandas", "dp-accounting")
-    }
-    return {"git_commit": commit or "unknown", "python": platform.python_version(), **versions}
 
 
 def _record_new_sweep(
@@ -406,7 +300,7 @@ def _record_new_sweep(
             "validation_noise": pipeline.validation_noise,
             "epochs": pipeline.epochs,
             "model": pipeline.model.name,
-            **_provenance(),
+            **provenance(),
         },
     )
     tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
@@ -436,6 +330,34 @@ def _trial_counts(
     return {(o, e): previous.trial_counts[group_name(o, e)] for o, e in pipeline.groups}
 
 
+def _trial_epsilons(
+    pipeline: Pipeline, counts: dict[tuple[str, float], int]
+) -> dict[str, float]:
+    """Each group's per-trial epsilon: its budget, or with ``total_epsilon`` the largest one
+    whose quoted tuning epsilon (worst case over the space) is at most the total."""
+    if pipeline.total_epsilon is None:
+        return {group_name(o, e): e for o, e in counts}
+    total = pipeline.total_epsilon
+    solved = {}
+    for optimizer, budget in pipeline.groups:
+        if math.isinf(budget):  # non-private: spends nothing
+            solved[group_name(optimizer, budget)] = budget
+            continue
+        trials = counts[(optimizer, budget)]
+        console.print(f"solving the per-trial epsilon of {optimizer} for total {total:g}...")
+        eps = solve_trial_epsilon_within(
+            total,
+            lambda e, o=optimizer: pipeline.candidate_mechanisms(o, e),
+            pipeline.delta,
+            pipeline.conditions,
+            trials,
+        )
+        how_many = "each trial" if pipeline.hides_trial_count else f"each of {trials} trials"
+        console.print(f"  {optimizer}: {how_many} spends epsilon {eps:.3f}")
+        solved[group_name(optimizer, budget)] = eps
+    return solved
+
+
 def run_sweep(
     pipeline: Pipeline,
     *,
@@ -446,10 +368,10 @@ def run_sweep(
     """Run (or resume) the whole sweep; returns the table of trials. Resuming a finished
     sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
-    storage = sweep_storage(pipeline)
+    storage = pipeline.storage
     storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
-    exists = storage.exists(STATE_FILE)
+    exists = SweepState.exists(storage)
     if exists and not resume:
         raise DpivonError(
             f"sweep {pipeline.name!r} already exists in {storage.uri}; pass --resume to "
@@ -459,7 +381,7 @@ def run_sweep(
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
     counts = _trial_counts(pipeline, previous)
-    trial_epsilons = previous.trial_epsilons if previous else solve_trial_epsilons(pipeline, counts)
+    trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
     finished = previous is not None and _every_trial_recorded(
         tracker, previous.parent_run_id, groups

@@ -5,11 +5,14 @@ epoch's report carries a checkpoint to resume from; the last one carries the tra
 (mean + posterior) that the driver evaluates on the test set if the trial is on the front.
 A trial whose parameters turn NaN or infinite ends with a last report flagged ``DIVERGED``
 (objectives NaN) instead of an error: a retry from its checkpoint would diverge again.
+Every report carries the trial's whole config (``TRIAL_CONFIG``): the driver logs it as the
+run's params rather than building it a second time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -25,7 +28,7 @@ from dpivon.logs import quiet_known_output
 from dpivon.process import configure_process
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
-from dpivon.tracking import save_checkpoint
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import EpochReport, TrainingDiverged, released_metrics, train
 
 RESUME_FILE = "resume.pt"
@@ -34,6 +37,7 @@ COMPLETE = "training_complete"
 DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became non-finite
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
 GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
+TRIAL_CONFIG = "trial_config"  # the trial's TrainConfig as flat keys, JSON (not a metric)
 
 
 def trial_seed(pipeline_seed: int, trial_id: str) -> int:
@@ -75,7 +79,11 @@ def run_trial(
     configure_process()
     torch.set_num_threads(max(1, threads))
     config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
-    node = {"node_id": ray.get_runtime_context().get_node_id()}
+    # in every report, so that the driver has it whichever report it sees first
+    node = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        TRIAL_CONFIG: json.dumps(config.flat()),
+    }
 
     resume_state = None
     checkpoint = tune.get_checkpoint()

@@ -8,19 +8,16 @@ seeds of each (method, epsilon): mean and sample standard deviation (ddof 1).
 
 from __future__ import annotations
 
-import json
 import math
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from dpivon.metrics import ReliabilityDiagram
-from dpivon.study.layout import RELIABILITY_FILE, child_runs, is_completed
-from dpivon.tracking import Tracker
+from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
+from dpivon.tracking.client import Tracker
 
 # What the results table aggregates, with the direction in which each improves.
 AGGREGATED: dict[str, str] = {
@@ -78,37 +75,32 @@ def reliability_from_dict(data: dict) -> ReliabilityDiagram:
 def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
     """The completed children of a benchmark's parent run, as records."""
     records = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for run in child_runs(tracker, parent_run_id).values():
-            if not is_completed(run):
-                continue
-            tags, run_id = run.data.tags, run.info.run_id
-            epsilon = float(tags["dpivon.epsilon"])
-            metrics = dict(run.data.metrics)
-            if math.isinf(epsilon):
-                metrics["epsilon_spent"] = math.inf  # MLflow stores finite values only
-            history = {}
-            for name in DIAGNOSTIC_KEYS:
-                if name in metrics:
-                    points = tracker.client.get_metric_history(run_id, name)
-                    history[name] = [m.value for m in sorted(points, key=lambda m: m.step)]
-            reliability = None
-            artifacts = {a.path for a in tracker.client.list_artifacts(run_id)}
-            if RELIABILITY_FILE in artifacts:
-                local = tracker.client.download_artifacts(run_id, RELIABILITY_FILE, tmp)
-                reliability = reliability_from_dict(json.loads(Path(local).read_text()))
-            records.append(
-                RunRecord(
-                    method=tags["dpivon.method"],
-                    optimizer=tags["dpivon.optimizer"],
-                    epsilon=epsilon,
-                    replicate=int(tags["dpivon.replicate"]),
-                    metrics=metrics,
-                    history=history,
-                    reliability=reliability,
-                    run_id=run_id,
-                )
+    for run in tracker.child_runs_by_tag(parent_run_id, KEY_TAG).values():
+        if not is_completed(run):
+            continue
+        tags, run_id = run.data.tags, run.info.run_id
+        epsilon = float(tags["dpivon.epsilon"])
+        metrics = dict(run.data.metrics)
+        if math.isinf(epsilon):
+            metrics["epsilon_spent"] = math.inf  # MLflow stores finite values only
+        history = {}
+        for name in DIAGNOSTIC_KEYS:
+            if name in metrics:
+                history[name] = [m.value for m in tracker.metric_history(run_id, name)]
+        bins = tracker.load_dict(run_id, RELIABILITY_FILE)
+        reliability = None if bins is None else reliability_from_dict(bins)
+        records.append(
+            RunRecord(
+                method=tags["dpivon.method"],
+                optimizer=tags["dpivon.optimizer"],
+                epsilon=epsilon,
+                replicate=int(tags["dpivon.replicate"]),
+                metrics=metrics,
+                history=history,
+                reliability=reliability,
+                run_id=run_id,
             )
+        )
     return records
 
 
@@ -214,3 +206,17 @@ def verdict_epsilons(table: pd.DataFrame) -> list[float]:
     if not finite:
         return epsilons[:1]
     return sorted({finite[0], finite[-1]})
+
+
+def pooled_reliability(diagrams: Sequence[ReliabilityDiagram]) -> ReliabilityDiagram:
+    """The diagram of all seeds' test predictions together (bin sums added up)."""
+    count = np.sum([d.bin_count for d in diagrams], axis=0)
+    correct = np.sum([np.nan_to_num(d.bin_accuracy) * d.bin_count for d in diagrams], axis=0)
+    confidence = np.sum([np.nan_to_num(d.bin_confidence) * d.bin_count for d in diagrams], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ReliabilityDiagram(
+            bin_edges=diagrams[0].bin_edges,
+            bin_accuracy=np.where(count > 0, correct / count, np.nan),
+            bin_confidence=np.where(count > 0, confidence / count, np.nan),
+            bin_count=count.astype(np.int64),
+        )

@@ -17,12 +17,12 @@ its configuration is the one the pipeline asks for now (a config hash on the chi
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 import torch
@@ -36,11 +36,13 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate_as_configured
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
-from dpivon.paths import check_writable_folder
+from dpivon.orchestration.provenance import provenance
+from dpivon.orchestration.ray_cluster import init_ray
+from dpivon.orchestration.state_file import RunState
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import configure_process
-from dpivon.search.sweep import _init_ray, _provenance
 from dpivon.study.aggregate import load_records
+from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
     COMPLETED,
     CONFIG_HASH_TAG,
@@ -48,15 +50,13 @@ from dpivon.study.layout import (
     KIND,
     RELIABILITY_FILE,
     STATUS_TAG,
-    child_runs,
     is_completed,
 )
-from dpivon.study.report import Report, build_report, log_report, write_report
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
-from dpivon.tracking import Tracker, log_training_result
+from dpivon.tracking.client import Tracker
+from dpivon.tracking.training_run import log_training_result
 from dpivon.training import TrainResult, load_data, released_metrics, train
 
-STATE_FILE = "benchmark.json"
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
 POLL_S = 5.0  # how long one wait for a finished run lasts before deadlines are checked
@@ -64,23 +64,11 @@ console = Console(stderr=True)
 
 
 @dataclass
-class BenchmarkState:
+class BenchmarkState(RunState):
     """What a resumed driver needs: the parent run of this benchmark."""
 
-    name: str
-    pipeline_path: str
-    tracking_uri: str
-    experiment: str
-    parent_run_id: str
-
-    @classmethod
-    def load(cls, directory: Path) -> BenchmarkState:
-        return cls(**json.loads((directory / STATE_FILE).read_text()))
-
-    def save(self, directory: Path) -> None:
-        tmp = directory / f"{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(self.__dict__, indent=2))
-        tmp.replace(directory / STATE_FILE)
+    file_name: ClassVar[str] = "benchmark.json"
+    kind: ClassVar[str] = "benchmark"
 
 
 @dataclass
@@ -93,7 +81,7 @@ class BenchmarkOutcome:
     completed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # run key -> error line
     report: Report | None = None
-    report_files: list[Path] = field(default_factory=list)  # report.md, report.html, ...
+    report_files: list[str] = field(default_factory=list)  # report.md, report.html, ...
 
 
 # --- one run (inside a Ray worker) ----------------------------------------------------------
@@ -105,8 +93,9 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
     them), applied to the test predictive (accuracy is unchanged by T).
 
     Scaling needs the predictive probabilities, which `train` does not return, so the test
-    set is evaluated here, once, with `train`'s own evaluation (`dpivon.evaluation.evaluate`,
-    the run's BMA samples, bins and seed: the same numbers `evaluate_test=True` gives);
+    set is evaluated here, once, with `train`'s own evaluation
+    (`dpivon.evaluation.evaluate_as_configured`: the run's BMA samples, bins and seed, the
+    same numbers `evaluate_test=True` gives);
     evaluating it twice would double the cost of a run (BMA over the whole test set).
     """
     config = result.config
@@ -173,7 +162,7 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
     if existing is not None:
         run_id = existing.info.run_id
         tracker.set_tags(run_id, {STATUS_TAG: "running", "error": ""})
-        tracker.client.update_run(run_id, status="RUNNING")
+        tracker.set_run_status(run_id, "RUNNING")
         return run_id
     run_id = tracker.start_run(
         f"{spec.method}-eps{spec.epsilon:g}-seed{spec.replicate}",
@@ -219,21 +208,23 @@ def error_line(err: BaseException) -> str:
 
 
 def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool) -> str:
-    directory = pipeline.directory
-    if (directory / STATE_FILE).exists():
+    storage = pipeline.storage
+    if BenchmarkState.exists(storage):
         if not resume:
             raise DpivonError(
-                f"benchmark {pipeline.name!r} already exists in {directory}; pass --resume to "
-                "continue it, or change the pipeline's name (or delete that folder) to start over"
+                f"benchmark {pipeline.name!r} already exists in {storage.uri}; pass --resume "
+                "to continue it, or change the pipeline's name (or delete that folder) to "
+                "start over"
             )
-        state = BenchmarkState.load(directory)
-        tracker.client.update_run(state.parent_run_id, status="RUNNING")
+        state = BenchmarkState.load(storage)
+        tracker.set_run_status(state.parent_run_id, "RUNNING")
         return state.parent_run_id
     if resume:
-        console.print(f"[yellow]note:[/] nothing to resume in {directory}; starting the benchmark")
-    directory.mkdir(parents=True, exist_ok=True)
+        console.print(
+            f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the benchmark"
+        )
     parent = tracker.start_run(
-        pipeline.name, tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": str(directory)}
+        pipeline.name, tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": storage.uri}
     )
     tracker.log_params(
         parent,
@@ -249,14 +240,14 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
             "dataset": pipeline.data.dataset,
             "per_class": pipeline.data.per_class,
             "runs": len(pipeline.runs),
-            **_provenance(),
+            **provenance(),
         },
     )
     tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
     # no password in the state file: a resume is given the URI again
     BenchmarkState(
         pipeline.name, str(pipeline.path), tracker.display_uri, tracker.experiment_name, parent
-    ).save(directory)
+    ).save(storage)
     return parent
 
 
@@ -395,9 +386,15 @@ def report_benchmark(
         sweeps=pipeline.sweep_directories,
         failed=failed,
     )
-    files = write_report(report, pipeline.directory / REPORT_DIR)
-    log_report(tracker, parent, report, files)
-    return report, files
+    storage = pipeline.storage
+    with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
+        local = Path(tmp)  # the files are made here, then stored and logged
+        files = write_report(report, local / REPORT_DIR)
+        stored = [path.relative_to(local).as_posix() for path in files]
+        for path, name in zip(files, stored, strict=True):
+            storage.write_bytes(name, path.read_bytes())
+        log_report(tracker, parent, report, files)
+    return report, [storage.location(name) for name in stored]
 
 
 def run_benchmark(
@@ -413,11 +410,11 @@ def run_benchmark(
     parent still ends FINISHED, with ``failed_runs`` saying how many, so that ``--resume``
     can complete it later.
     """
-    check_writable_folder(pipeline.directory, "storage_path")
+    pipeline.storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
-    existing = child_runs(tracker, parent)
+    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
     todo = _pending_runs(pipeline, existing)
     outcome = BenchmarkOutcome(parent, tracker, skipped=len(pipeline.runs) - len(todo))
     console.print(
@@ -427,7 +424,7 @@ def run_benchmark(
     )
     try:
         if todo:
-            _init_ray(address)
+            init_ray(address)
             execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
         outcome.report, outcome.report_files = report_benchmark(
             pipeline, tracker, parent, outcome.failed

@@ -7,24 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpivon.tracking import Tracker
-
 KIND = "benchmark"
 KEY_TAG = "dpivon.benchmark_key"  # "<method>|eps<epsilon>|seed<seed>", see spec.run_key
 STATUS_TAG = "dpivon.run_status"  # running | completed | failed
 CONFIG_HASH_TAG = "dpivon.config_hash"
 COMPLETED = "completed"
 RELIABILITY_FILE = "reliability.json"  # the test reliability bins of a child run
-
-
-def child_runs(tracker: Tracker, parent_run_id: str) -> dict[str, Any]:
-    """run key -> MLflow run of every child of the parent."""
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-        max_results=10000,
-    )
-    return {r.data.tags[KEY_TAG]: r for r in runs if KEY_TAG in r.data.tags}
 
 
 def is_completed(run: Any) -> bool:

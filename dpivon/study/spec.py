@@ -47,71 +47,63 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
+    AfterValidator,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
 )
 
 from dpivon.config import (
     TrainConfig,
-    format_validation_error,
     parse_config,
-    read_yaml_mapping,
 )
 from dpivon.constraints import Bound, Float, Int
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
-from dpivon.privacy.accounting import check_plan_reachable
-from dpivon.search.pipeline import (
-    CONCURRENCY_WHY,
-    MAX_CONCURRENCY,
+from dpivon.orchestration.run_file import (
+    Concurrency,
+    Epsilons,
     RunFile,
+    StrictModel,
     as_list,
+    distinct,
     group_budget,
     train_extras,
 )
+from dpivon.orchestration.storage import SweepStorage
+from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.search.pareto import PICKS
 from dpivon.search.trial import trial_seed
 
-if TYPE_CHECKING:
-    from dpivon.search.storage import SweepStorage
-
 MIN_SEEDS = 3
-PICKS = ("knee", "max-accuracy", "min-ece")
 _METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 TrainExtras = Annotated[dict[str, Any], BeforeValidator(train_extras)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _method_name(name: str) -> str:
+    if _METHOD_NAME.fullmatch(name) is None:
+        raise ValueError(
+            f"method name {name!r} must start with a letter or digit and hold only "
+            "letters, digits and _ . + - (it names files, runs and table rows)"
+        )
+    return name
 
 
-class Method(_Strict):
+class Method(StrictModel):
     """One compared method: an optimizer with fixed settings, or a sweep's pick."""
 
-    name: str
+    name: Annotated[str, AfterValidator(_method_name)]
     optimizer: OptimizerName
     from_sweep: str | None = None
-    pick: Literal["knee", "max-accuracy", "min-ece"] = "knee"
+    pick: Literal[tuple(p for p in PICKS if p != "pareto")] = "knee"  # one config each
     train: TrainExtras = Field(default_factory=dict)
 
-    @field_validator("name")
-    @classmethod
-    def _identifier(cls, name: str) -> str:
-        if not _METHOD_NAME.fullmatch(name):
-            raise ValueError(
-                f"method name {name!r} must start with a letter or digit and hold only "
-                "letters, digits and _ . + - (it names files, runs and table rows)"
-            )
-        return name
 
 
 @dataclass(frozen=True)
@@ -143,25 +135,18 @@ class BenchmarkPipeline(RunFile):
     kind: ClassVar[str] = "benchmark"
     noun: ClassVar[str] = "benchmark"
 
-    epsilons: Annotated[list[Float], BeforeValidator(as_list), Field(min_length=1)]
-    seeds: Annotated[list[Int], BeforeValidator(as_list)]
+    epsilons: Epsilons
+    seeds: Annotated[
+        list[Annotated[Int, Bound(ge=0)]], BeforeValidator(as_list), distinct("seeds")
+    ]
     split_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
-    methods: list[Method] = Field(min_length=1)
-    concurrency: Annotated[Int, Bound(ge=1, le=MAX_CONCURRENCY, why=CONCURRENCY_WHY)] = 2
+    methods: Annotated[
+        list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
+    ]
+    concurrency: Concurrency = 2
     run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
-    _tuning_trials: dict[tuple[str, float], int] = PrivateAttr(default_factory=dict)
-
-    @field_validator("epsilons")
-    @classmethod
-    def _check_epsilons(cls, epsilons: list[float]) -> list[float]:
-        for eps in epsilons:
-            if not eps > 0:  # also rejects nan
-                raise ValueError(f"every epsilon must be > 0 (.inf = no noise), got {eps}")
-        if len(set(epsilons)) != len(epsilons):
-            raise ValueError(f"epsilons must be distinct, got {epsilons}")
-        return epsilons
 
     @field_validator("seeds")
     @classmethod
@@ -171,18 +156,7 @@ class BenchmarkPipeline(RunFile):
                 f"give at least {MIN_SEEDS} seeds (the report states the spread over seeds), "
                 f"got {len(seeds)}"
             )
-        if len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ValueError(f"seeds must be distinct and >= 0, got {seeds}")
         return seeds
-
-    @field_validator("methods")
-    @classmethod
-    def _check_methods(cls, methods: list[Method]) -> list[Method]:
-        names = [m.name for m in methods]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"method name {', '.join(twice)} used more than once; rename one")
-        return methods
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -214,22 +188,12 @@ class BenchmarkPipeline(RunFile):
         return {"train": self.train, **methods}
 
     @property
-    def tuning_trials(self) -> dict[tuple[str, float], int]:
-        """(method, epsilon) -> trials its sweep group ran, for from_sweep methods."""
-        return dict(self._tuning_trials)
-
-    @property
     def sweep_directories(self) -> list[SweepStorage]:
         """The distinct sweeps the tuned methods come from (for the Pareto fronts)."""
         from dpivon.search.export import resolve_sweep
 
         found = [resolve_sweep(m.from_sweep) for m in self.methods if m.from_sweep]
         return list({s.uri: s for s in found}.values())
-
-    @property
-    def directory(self) -> Path:
-        """``<storage_path>/<name>``: the state file and the report."""
-        return Path(self.storage_path).expanduser().resolve() / self.name
 
     def base_config(self, method: Method, epsilon: float, replicate: int) -> dict[str, Any]:
         """The TrainConfig keys the benchmark sets for one run (before a sweep's pick)."""
@@ -248,7 +212,8 @@ def _tuned_configs(
     """Per epsilon: (the sweep's picked config as a mapping, its provenance) and the number
     of trials its group ran."""
     from dpivon.search.export import export_configs, load_results, resolve_sweep
-    from dpivon.search.sweep import SweepState, group_name
+    from dpivon.search.results import group_name
+    from dpivon.search.sweep import SweepState
 
     prefix = f"invalid {where}: method {method.name} (from_sweep {method.from_sweep})"
     try:
@@ -293,14 +258,8 @@ def _check_equal_budgets(budgets: dict[tuple[str, float], int], where: str) -> N
 def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     """Read and validate a benchmark YAML file, resolving every run's TrainConfig."""
     path = Path(path)
-    data = read_yaml_mapping(path)
+    pipeline = BenchmarkPipeline.read(path)
     where = f"benchmark {path}"
-    try:
-        pipeline = BenchmarkPipeline.model_validate(data)
-    except ValidationError as err:
-        raise DpivonError(f"invalid {where}: {format_validation_error(err)}") from None
-    pipeline._path = path
-    pipeline._source_text = path.read_text()
 
     runs: list[RunSpec] = []
     budgets: dict[tuple[str, float], int] = {}
@@ -342,10 +301,4 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
             methods.index(r.method),
         ),
     )
-    pipeline._tuning_trials = budgets
     return pipeline
-
-
-def epsilon_label(epsilon: float) -> str:
-    """``inf`` reads as no noise; a finite epsilon as itself."""
-    return "inf (no noise)" if math.isinf(epsilon) else f"{epsilon:g}"

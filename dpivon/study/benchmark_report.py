@@ -5,33 +5,26 @@ disagree; the HTML embeds every figure as a base64 PNG and needs no other file, 
 Markdown links the PNGs written beside it. The results table and the two-line verdict are
 also what the parent MLflow run's description (``mlflow.note.content``) shows.
 
-Figures: metric versus epsilon per method (mean, error bars one std over seeds),
-reliability diagrams pooled over seeds (`dpivon.metrics.plot_reliability_diagram`) at the
+Its figures (`dpivon.study.figures`): metrics versus epsilon, reliability diagrams at the
 smallest and largest finite epsilon, the curvature-collapse diagnostics over training per
 epsilon (whatever the runs logged; methods without them are left out of those panels), and
-the Pareto fronts of the sweeps the tuned methods came from (`dpivon.search.pareto`).
+the Pareto fronts of the sweeps the tuned methods came from.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
-from dpivon.metrics import ReliabilityDiagram
-from dpivon.plots import plot_reliability_diagram
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.study.aggregate import (
     Comparison,
     RunRecord,
@@ -40,10 +33,14 @@ from dpivon.study.aggregate import (
     records_frame,
     verdict_epsilons,
 )
-from dpivon.tracking import Tracker
-
-if TYPE_CHECKING:
-    from dpivon.search.storage import SweepStorage
+from dpivon.study.figures import (
+    pareto_png,
+    plot_diagnostics,
+    plot_metric_curves,
+    plot_pooled_reliability,
+    png_bytes,
+)
+from dpivon.tracking.client import Tracker
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -78,25 +75,6 @@ _COLUMNS = (
     ("temperature", "T", 1.0, 2),
     ("epsilon_spent", "eps spent", 1.0, 2),
     ("wall_time_s", "wall s", 1.0, 0),
-)
-_CURVES = (
-    ("test_accuracy", "test accuracy"),
-    ("test_nll", "test NLL"),
-    ("test_ece", "test ECE"),
-    ("test_ts_ece", "test ECE after temperature scaling"),
-)
-# (median key, band keys or None, title): one row of the diagnostics figure each
-_DIAGNOSTIC_ROWS = (
-    ("projected_fraction", None, "share of v_hat projected to 0"),
-    ("hess_median", ("hess_q10", "hess_q90"), "h: median, q10-q90 band"),
-    (
-        "posterior_std_median",
-        ("posterior_std_q10", "posterior_std_q90"),
-        "posterior std: median, q10-q90 band",
-    ),
-    ("clamped_noise_share_median", None, "share of h clamped noise alone gives (median)"),
-    ("grad_snr_median", None, "SNR of g_dp per tensor (median)"),
-    ("curvature_update_share", None, "curvature's share of the update"),
 )
 _HYPER_PARAMETERS = (
     "lr",
@@ -252,10 +230,6 @@ class Report:
 # --- numbers ---------------------------------------------------------------------------------
 
 
-def epsilon_label(epsilon: float) -> str:
-    return "inf" if math.isinf(epsilon) else f"{epsilon:g}"
-
-
 def mean_std(mean: float, std: float, scale: float = 1.0, decimals: int = 3) -> str:
     """``mean ± std`` (scaled); ``inf`` and missing values spelled out."""
     if math.isnan(mean):
@@ -272,7 +246,7 @@ def results_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     rows = [
         [
             str(row["method"]),
-            epsilon_label(row["epsilon"]),
+            f"{row['epsilon']:g}",
             str(int(row["n"])),
             *(
                 mean_std(row[f"{c}_mean"], row[f"{c}_std"], scale, decimals)
@@ -307,177 +281,23 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
         )
         ece = _comparison_text(compare(table, "test_ece", eps), 1.0, 3, "", "below")
         lines.append(
-            f"epsilon {epsilon_label(eps)}: best mean test accuracy {accuracy}; "
+            f"epsilon {eps:g}: best mean test accuracy {accuracy}; "
             f"lowest mean test ECE {ece}."
         )
     return lines
 
 
-# --- figures ---------------------------------------------------------------------------------
-
-
-def _png(figure: Figure) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90)
-    return buffer.getvalue()
-
-
-def _epsilon_axis(epsilons: Sequence[float]) -> dict[float, float]:
-    """x position of each epsilon on a log axis; inf sits one step right of the largest."""
-    finite = sorted(e for e in epsilons if math.isfinite(e))
-    positions = {e: e for e in finite}
-    if any(math.isinf(e) for e in epsilons):
-        positions[math.inf] = finite[-1] * 4.0 if finite else 1.0
-    return positions
-
-
-def plot_metric_curves(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
-    """Accuracy, NLL, ECE and tempered ECE versus epsilon; error bars one std over seeds."""
-    positions = _epsilon_axis(table["epsilon"].tolist())
-    fig = Figure(figsize=(4.0 * len(_CURVES), 3.8), layout="constrained")
-    axes = fig.subplots(1, len(_CURVES))
-    for ax, (metric, title) in zip(axes, _CURVES, strict=True):
-        for i, method in enumerate(methods):
-            rows = table[table["method"] == method]
-            if rows.empty:
-                continue
-            jitter = 1.0 + 0.04 * (i - (len(methods) - 1) / 2)  # keeps error bars apart
-            x = [positions[e] * jitter for e in rows["epsilon"]]
-            ax.errorbar(
-                x,
-                rows[f"{metric}_mean"],
-                yerr=rows[f"{metric}_std"].fillna(0.0),
-                marker="o",
-                ms=4,
-                capsize=3,
-                label=method,
-                color=f"C{i % 10}",
-            )
-        ax.set_xscale("log")
-        ax.set_xticks(list(positions.values()), [epsilon_label(e) for e in positions])
-        ax.minorticks_off()
-        ax.set(title=title, xlabel="epsilon")
-        ax.grid(alpha=0.3)
-    axes[0].legend(frameon=False, fontsize="small")
-    return fig
-
-
-def pooled_reliability(diagrams: Sequence[ReliabilityDiagram]) -> ReliabilityDiagram:
-    """The diagram of all seeds' test predictions together (bin sums added up)."""
-    count = np.sum([d.bin_count for d in diagrams], axis=0)
-    correct = np.sum([np.nan_to_num(d.bin_accuracy) * d.bin_count for d in diagrams], axis=0)
-    confidence = np.sum([np.nan_to_num(d.bin_confidence) * d.bin_count for d in diagrams], axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return ReliabilityDiagram(
-            bin_edges=diagrams[0].bin_edges,
-            bin_accuracy=np.where(count > 0, correct / count, np.nan),
-            bin_confidence=np.where(count > 0, confidence / count, np.nan),
-            bin_count=count.astype(np.int64),
-        )
-
-
-def _curves(records: Sequence[RunRecord], key: str) -> np.ndarray | None:
-    """Seeds x epochs of one history key (cut to the shortest), None if no record has it."""
-    series = [r.history[key] for r in records if r.history.get(key)]
-    if not series:
-        return None
-    length = min(len(s) for s in series)
-    return np.array([s[:length] for s in series], dtype=np.float64)
-
-
-def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Figure | None:
-    """The collapse diagnostics over training: one row per logged diagnostic, one column per
-    epsilon, one line per method (mean over seeds; band: mean q10-q90, or ± one std)."""
-    rows = [r for r in _DIAGNOSTIC_ROWS if any(r[0] in rec.history for rec in records)]
-    epsilons = sorted({r.epsilon for r in records if r.history})
-    if not rows or not epsilons:
-        return None
-    fig = Figure(figsize=(3.6 * len(epsilons) + 1.8, 2.5 * len(rows)), layout="constrained")
-    axes = fig.subplots(len(rows), len(epsilons), squeeze=False, sharex=True)
-    for col, eps in enumerate(epsilons):
-        for row, (key, band, title) in enumerate(rows):
-            ax = axes[row][col]
-            positive = True
-            for i, method in enumerate(methods):
-                group = [r for r in records if r.method == method and r.epsilon == eps]
-                values = _curves(group, key)
-                if values is None:
-                    continue
-                epochs = np.arange(1, values.shape[1] + 1)
-                mean = values.mean(axis=0)
-                if band is not None:
-                    low, high = (_curves(group, k) for k in band)
-                    low = low.mean(axis=0)[: len(mean)] if low is not None else mean
-                    high = high.mean(axis=0)[: len(mean)] if high is not None else mean
-                else:
-                    std = values.std(axis=0, ddof=1) if len(values) > 1 else 0.0 * mean
-                    low, high = mean - std, mean + std
-                colour = f"C{i % 10}"
-                ax.plot(epochs, mean, marker="o", ms=3, color=colour, label=method)
-                ax.fill_between(epochs, low, high, color=colour, alpha=0.15, lw=0)
-                positive = positive and bool(np.all(np.concatenate([low, mean]) > 0))
-            if key in ("hess_median", "posterior_std_median", "grad_snr_median") and positive:
-                ax.set_yscale("log")
-            else:
-                ax.ticklabel_format(axis="y", useOffset=False)
-            ax.grid(alpha=0.3)
-            if row == 0:
-                ax.set_title(f"epsilon {epsilon_label(eps)}")
-            if col == 0:
-                ax.set_ylabel(title, fontsize="small")
-            if row == len(rows) - 1:
-                ax.set_xlabel("epoch")
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    handles, labels = {}, {}
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, handle)
-            labels[label] = label
-    fig.legend(list(handles.values()), list(labels), loc="outside right center", frameon=False)
-    return fig
-
-
-def _pareto_png(directory: SweepStorage) -> bytes:
-    from dpivon.search.export import load_results
-    from dpivon.search.pareto import plot_fronts_png
-    from dpivon.search.sweep import SweepState
-
-    state = SweepState.load(directory)
-    trials, _ = load_results(directory)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "pareto.png"
-        plot_fronts_png(trials, state.objectives, path, f"sweep {state.name}: fronts on validation")
-        return path.read_bytes()
-
-
 # --- the report ------------------------------------------------------------------------------
 
 
-def build_report(
-    title: str,
-    records: Sequence[RunRecord],
-    *,
-    method_order: Sequence[str] | None = None,
-    settings: Sequence[str] = (),
-    method_configs: dict[str, dict[str, Any]] | None = None,
-    sweeps: Sequence[Path] = (),
-    failed: dict[str, str] | None = None,
-) -> Report:
-    """Aggregate ``records`` and lay out the report (figures rendered to PNG here).
-
-    ``method_configs`` maps a method to one of its run configs (its hyper-parameters) and,
-    under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines.
-    """
-    methods = list(method_order or dict.fromkeys(r.method for r in records))
-    table = aggregate(records, methods)
-    verdict = verdict_lines(table) if not table.empty else ["no run finished"]
-    report = Report(title, [], table, records_frame(records), verdict)
-    blocks = report.blocks
-    if settings:
-        blocks.append(Bullets(list(settings)))
+def _results_blocks(
+    table: pd.DataFrame, verdict: list[str], settings: Sequence[str], failed: dict[str, str]
+) -> list[Block]:
+    """The settings, the verdict, the results table with its notes, the failed runs."""
+    blocks: list[Block] = [Bullets(list(settings))] if settings else []
     blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
-    blocks += [Heading("Results (mean ± std over seeds)")]
     blocks += [
+        Heading("Results (mean ± std over seeds)"),
         TableBlock(*results_rows(table)),
         Paragraph(TEMPERATURE_NOTE),
         Paragraph(COLUMN_NOTE),
@@ -487,16 +307,22 @@ def build_report(
             Paragraph(f"{len(failed)} run(s) failed and are not in the table:"),
             Bullets([f"`{key}`: {message}" for key, message in failed.items()]),
         ]
-    if table.empty:
-        return report
+    return blocks
 
-    report.figures["metrics_vs_epsilon.png"] = _png(plot_metric_curves(table, methods))
-    blocks += [
+
+def _add_metric_curves(report: Report, methods: Sequence[str]) -> None:
+    report.figures["metrics_vs_epsilon.png"] = png_bytes(plot_metric_curves(report.table, methods))
+    report.blocks += [
         Heading("Metrics versus epsilon"),
         Images(["metrics_vs_epsilon.png"], "Mean over seeds, error bars one std; inf: no noise."),
     ]
 
-    blocks.append(Heading("Reliability diagrams (test, seeds pooled)"))
+
+def _add_reliability_diagrams(
+    report: Report, records: Sequence[RunRecord], methods: Sequence[str]
+) -> None:
+    """One diagram per method, seeds pooled, at the smallest and largest finite epsilon."""
+    report.blocks.append(Heading("Reliability diagrams (test, seeds pooled)"))
     finite = sorted({r.epsilon for r in records if math.isfinite(r.epsilon)})
     for eps in sorted({finite[0], finite[-1]}) if finite else []:
         names = []
@@ -509,50 +335,89 @@ def build_report(
             if not diagrams:
                 continue
             name = f"reliability_{method}_eps{eps:g}.png"
-            title_text = f"{method}, epsilon {eps:g} ({len(diagrams)} seeds)"
-            figure = plot_reliability_diagram(pooled_reliability(diagrams), title_text)
-            report.figures[name] = _png(figure)
+            title = f"{method}, epsilon {eps:g} ({len(diagrams)} seeds)"
+            report.figures[name] = png_bytes(plot_pooled_reliability(diagrams, title))
             names.append(name)
         if names:
-            blocks.append(Images(names, f"epsilon {eps:g}"))
+            report.blocks.append(Images(names, f"epsilon {eps:g}"))
 
-    blocks.append(Heading("Curvature-collapse diagnostics over training"))
+
+def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequence[str]) -> None:
+    report.blocks.append(Heading("Curvature-collapse diagnostics over training"))
     figure = plot_diagnostics(records, methods)
     if figure is None:
-        blocks.append(Paragraph("No run logged curvature diagnostics (no IVON-family method)."))
-    else:
-        report.figures["diagnostics.png"] = _png(figure)
-        with_diagnostics = sorted({r.method for r in records if r.history})
-        blocks.append(
-            Images(
-                ["diagnostics.png"],
-                "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
-                "seeds; methods without them ("
-                + ", ".join(m for m in methods if m not in with_diagnostics)
-                + ") are not drawn.",
-            )
+        report.blocks.append(
+            Paragraph("No run logged curvature diagnostics (no IVON-family method).")
         )
+        return
+    report.figures["diagnostics.png"] = png_bytes(figure)
+    with_diagnostics = {r.method for r in records if r.history}
+    report.blocks.append(
+        Images(
+            ["diagnostics.png"],
+            "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
+            "seeds; methods without them ("
+            + ", ".join(m for m in methods if m not in with_diagnostics)
+            + ") are not drawn.",
+        )
+    )
 
+
+def _add_sweep_fronts(report: Report, sweeps: Sequence[SweepStorage]) -> None:
+    report.blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
+    for directory in sweeps:
+        name = f"pareto_{directory.name}.png"
+        report.figures[name] = pareto_png(directory)
+        report.blocks.append(Images([name], f"sweep {directory.name}"))
+
+
+def _methods_blocks(
+    methods: Sequence[str], method_configs: dict[str, dict[str, Any]]
+) -> list[Block]:
+    """Each method's optimizer, hyper-parameters and where a sweep picked them."""
+    rows = []
+    for method in methods:
+        config = method_configs.get(method)
+        if config is None:
+            continue
+        shown = ", ".join(
+            f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
+        )
+        tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
+        rows.append([method, str(config["optimizer"]), shown, tuned_by])
+    header = ["method", "optimizer", "hyper-parameters", "tuned by"]
+    return [Heading("Methods"), TableBlock(header, rows)]
+
+
+def build_report(
+    title: str,
+    records: Sequence[RunRecord],
+    *,
+    method_order: Sequence[str] | None = None,
+    settings: Sequence[str] = (),
+    method_configs: dict[str, dict[str, Any]] | None = None,
+    sweeps: Sequence[SweepStorage] = (),
+    failed: dict[str, str] | None = None,
+) -> Report:
+    """Aggregate ``records`` and lay out the report (figures rendered to PNG here).
+
+    ``method_configs`` maps a method to one of its run configs (its hyper-parameters) and,
+    under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines.
+    """
+    methods = list(method_order or dict.fromkeys(r.method for r in records))
+    table = aggregate(records, methods)
+    verdict = verdict_lines(table) if not table.empty else ["no run finished"]
+    blocks = _results_blocks(table, verdict, settings, failed or {})
+    report = Report(title, blocks, table, records_frame(records), verdict)
+    if table.empty:
+        return report
+    _add_metric_curves(report, methods)
+    _add_reliability_diagrams(report, records, methods)
+    _add_diagnostics(report, records, methods)
     if sweeps:
-        blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
-        for directory in sweeps:
-            name = f"pareto_{directory.name}.png"
-            report.figures[name] = _pareto_png(directory)
-            blocks.append(Images([name], f"sweep {directory.name}"))
-
+        _add_sweep_fronts(report, sweeps)
     if method_configs:
-        header = ["method", "optimizer", "hyper-parameters", "tuned by"]
-        rows = []
-        for method in methods:
-            config = method_configs.get(method)
-            if config is None:
-                continue
-            shown = ", ".join(
-                f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
-            )
-            tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
-            rows.append([method, str(config["optimizer"]), shown, tuned_by])
-        blocks += [Heading("Methods"), TableBlock(header, rows)]
+        report.blocks += _methods_blocks(methods, method_configs)
     return report
 
 
@@ -581,6 +446,6 @@ def log_report(tracker: Tracker, run_id: str, report: Report, files: Sequence[Pa
     for _, row in report.table.iterrows():
         for metric in ("test_accuracy", "test_nll", "test_ece", "test_ts_ece"):
             value = row[f"{metric}_mean"]
-            metrics[f"{metric}.eps{epsilon_label(row['epsilon'])}.{row['method']}"] = value
+            metrics[f"{metric}.eps{row['epsilon']:g}.{row['method']}"] = value
     tracker.log_changed_metrics(run_id, metrics)  # a rebuilt report (--resume) adds none
     tracker.set_tags(run_id, {"mlflow.note.content": report.note()})

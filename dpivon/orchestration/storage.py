@@ -1,7 +1,9 @@
-"""Where a sweep keeps its files: a local folder or any URI that Ray Tune can write.
+"""Where a sweep or benchmark keeps its files: a local folder or any URI that Ray Tune can
+write.
 
-A sweep's folder is ``<storage_path>/<name>``. It holds the state file (``sweep.json``),
-the Tune experiment (with the trials' checkpoints) and the final reports. All of
+Its folder is ``<storage_path>/<name>``. A sweep's holds the state file (``sweep.json``),
+the Tune experiment (with the trials' checkpoints) and the final reports; a benchmark's its
+state file (``benchmark.json``) and its report. All of
 it goes through one pyarrow filesystem, the abstraction Ray Tune itself writes through, so
 the driver, the trials on every node and ``dpivon export`` see the same files:
 
@@ -16,7 +18,7 @@ the driver, the trials on every node and ``dpivon export`` see the same files:
   tagged and pickled with the Tune experiment.
 - ``gs://bucket/prefix``: Google Cloud Storage (credentials as for any GCS client).
 
-API (``name`` arguments are paths relative to the sweep folder, ``/``-separated)::
+API (``name`` arguments are paths relative to the folder, ``/``-separated)::
 
     storage = SweepStorage(pipeline.storage_path, pipeline.name)
     SweepStorage.at("s3://bucket/prefix/quickstart")   # the same, from the folder itself
@@ -53,7 +55,7 @@ import pyarrow.fs as pafs
 
 from dpivon.errors import DpivonError
 from dpivon.paths import check_writable_folder
-from dpivon.tracking import redact_uri
+from dpivon.tracking.client import redact_uri
 
 __all__ = ["SweepStorage", "local_copy", "open_uri"]
 
@@ -79,7 +81,8 @@ def _one_line(err: BaseException) -> str:
 
 
 class SweepStorage:
-    """The folder ``<storage_path>/<name>`` of one sweep, on whatever filesystem it is."""
+    """The folder ``<storage_path>/<name>`` of one sweep (or benchmark), on whatever
+    filesystem it is."""
 
     def __init__(self, storage_path: str, name: str):
         self.storage_path, self.name = storage_path, name
@@ -131,6 +134,11 @@ class SweepStorage:
         query = f"?{self._query}" if self._query else ""
         return f"{self._scheme}://{fs_path.lstrip('/')}{query}"
 
+    def location(self, name: str) -> str:
+        """Where the file ``name`` of the folder is, to show or record: a local path, or a
+        URI with the folder's options."""
+        return self.uri_of(self._full(name))
+
     def experiment_path(self, experiment: str) -> str:
         """The path of a Tune experiment (``RunConfig(name=experiment)``) on
         :attr:`filesystem`, for ``Tuner.can_restore`` / ``Tuner.restore``."""
@@ -145,7 +153,7 @@ class SweepStorage:
             yield
         except OSError as err:
             raise DpivonError(
-                f"cannot {what} {self.uri_of(self._full(name))}: {_one_line(err)}"
+                f"cannot {what} {self.location(name)}: {_one_line(err)}"
             ) from None
 
     def check_writable(self) -> None:
@@ -168,11 +176,11 @@ class SweepStorage:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise DpivonError(f"{self.uri_of(self._full(name))} is no UTF-8 text: {err}") from None
+            raise DpivonError(f"{self.location(name)} is no UTF-8 text: {err}") from None
 
     def read_json(self, name: str) -> dict[str, Any]:
         """A JSON object this sweep wrote; one line naming the file when it is damaged."""
-        where = self.uri_of(self._full(name))
+        where = self.location(name)
         try:
             value = json.loads(self.read_text(name))
         except json.JSONDecodeError as err:

@@ -1,0 +1,45 @@
+"""The models a sweep releases: which front rows they are (``release: best`` or all the
+front), and their test scores and logged models (chosen on validation, never on test)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from dpivon.data import DataSplits
+from dpivon.evaluation import evaluate_as_configured
+from dpivon.orchestration.storage import local_copy
+from dpivon.search.pareto import pick
+from dpivon.search.pipeline import Pipeline
+from dpivon.search.trial import MODEL_FILE
+from dpivon.tracking.checkpoints import load_checkpoint
+from dpivon.tracking.client import Tracker
+from dpivon.tracking.served_model import log_model
+
+
+def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
+    """The front rows whose models the sweep releases: every member, or with ``release:
+    best`` exactly one per group, the best by the pipeline's metric."""
+    if pipeline.release_pick is None or front.empty:
+        return front
+    return pick(front, pipeline.objective_pairs, pipeline.release_pick, by=("optimizer", "epsilon"))
+
+
+def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> None:
+    """Test metrics and model of each front member (selected on validation, never on test),
+    logged on its run unless its run records them already: finishing again (a resumed
+    finished sweep) evaluates and logs nothing twice."""
+    for row in front.itertuples():
+        scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
+        modelled = tracker.has_logged_model(row.run_id)
+        if not (scored and modelled):
+            with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
+                config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
+            if not scored:
+                result = evaluate_as_configured(config, model, data.test, posterior)
+                test = {f"test_{k}": v for k, v in result.metrics.items()}
+                tracker.log_metrics(row.run_id, test, step=config.training.epochs)
+            if not modelled:
+                log_model(tracker, row.run_id, config, model, posterior)
+        tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})  # a tag is replaced
