@@ -223,6 +223,29 @@ params:
 """
 
 
+NESTEROV_AND_DAMPENING = """\
+optimizer: dp-sgd
+params:
+  momentum: {type: categorical, choices: [0.0, 0.9]}
+  nesterov: {type: categorical, choices: [false, true], when: {momentum: 0.9}}
+  dampening: {type: categorical, choices: [0.0, 0.5]%s}
+"""
+
+
+def test_bounds_are_checked_in_the_combinations_a_trial_can_draw(tmp_path):
+    """SGD refuses Nesterov with dampening: a space that can draw both together is refused,
+    one whose conditions keep them apart loads (its high corner would pair them were the
+    conditions ignored)."""
+    both = _write(tmp_path / "both.yaml", NESTEROV_AND_DAMPENING % "")
+    assert "nesterov needs dampening 0" in one_line_refusal(load_search_space, both)
+    apart = _write(
+        tmp_path / "apart.yaml",
+        NESTEROV_AND_DAMPENING % ", when: {momentum: 0.9, nesterov: false}",
+    )
+    space = load_search_space(apart)
+    assert space.conditions["dampening"] == {"momentum": [0.9], "nesterov": [False]}
+
+
 def test_conditional_params_are_active_only_when_their_condition_holds(tmp_path):
     space = load_search_space(_write(tmp_path / "cond.yaml", CONDITIONAL))
     assert space.switches == {"use_wd", "family"}

@@ -249,16 +249,18 @@ class SearchSpace:
     def bound_configs(self) -> list[tuple[str, dict[str, Any]]]:
         """(description, TrainConfig keys) pairs covering every bound and choice.
 
-        Each parameter's every extreme value alone, then all parameters at their first
-        extreme (low / first choice) and at their last (high / last choice) together;
-        conditions are ignored (every parameter counted as active), switches dropped.
+        Each parameter's every extreme value alone, then every parameter at its first
+        extreme (low / first choice) and at its last (high / last choice) together, the
+        conditions applied as in a trial (a combination no trial can draw is not refused);
+        switches dropped.
         """
         extremes = {key: _extremes(self.params[name]) for name, key in self.keys.items()}
         configs = [
             (f"params.{k} = {_shown.repr(v)}", {k: v}) for k, vs in extremes.items() for v in vs
         ]
         for label, index in (("low", 0), ("high", -1)):
-            combo = {key: values[index] for key, values in extremes.items()}
+            active = self._active_values(lambda _, param, i=index: _extremes(param)[i])
+            combo = {self.keys[name]: v for name, v in active.items() if name in self.keys}
             configs.append((f"all parameters at their {label} values {_shown.repr(combo)}", combo))
         return [(d, {"optimizer": self.optimizer, **c}) for d, c in configs]
 
