@@ -84,11 +84,15 @@ class OptimizerOptions(BaseModel):
 class SGDOptions(OptimizerOptions):
     momentum: Rate
     nesterov: Bool = False  # Nesterov's look-ahead momentum; needs momentum > 0
+    # the share of each new gradient the momentum buffer drops: (1 - dampening) g
+    dampening: Rate = 0.0
 
     @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> SGDOptions:
+    def _nesterov_needs_undampened_momentum(self) -> SGDOptions:
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs momentum > 0")
+        if self.nesterov and self.dampening != 0:
+            raise ValueError("nesterov needs dampening 0")
         return self
 
 
