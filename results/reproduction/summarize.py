@@ -67,7 +67,6 @@ def summary(runs: dict[int, dict]) -> dict:
         "seeds": sorted(runs),
         "test_nll": statistics.fmean(run["test_nll"] for run in runs.values()),
         "test_ece": statistics.fmean(run["test_ece"] for run in runs.values()),
-        "wall_time_s": [round(run["wall_time_s"]) for run in runs.values()],
     }
 
 
