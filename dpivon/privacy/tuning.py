@@ -30,6 +30,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
+from dpivon.constraints import FiniteEpsilon, check_bound
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multiplier
 
@@ -493,8 +494,7 @@ def solve_trial_epsilon(
     ``quoted_for(eps)`` is the quoted bound of the whole sweep when every trial targets
     ``eps`` (increasing in eps). Bisection, to within ``tolerance`` below the true answer.
     """
-    if not (total_epsilon > 0 and math.isfinite(total_epsilon)):
-        raise DpivonError(f"total_epsilon must be a finite number > 0; got {total_epsilon}")
+    check_bound(FiniteEpsilon, "total_epsilon", total_epsilon)
     low, high = 0.0, total_epsilon  # a tuned release costs at least one trial's epsilon
     while high - low > tolerance:
         middle = (low + high) / 2
