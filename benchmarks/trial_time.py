@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dpivon.optim.registry import PRIVATE_OPTIMIZERS
 from dpivon.training import PHASES
 
 OPTIMIZERS = ("adam", "dp-adam", "dp-ivon-gradsq")
@@ -46,10 +47,12 @@ def train_command(args: argparse.Namespace, optimizer: str, out: Path, workdir: 
         sys.executable, "-m", "dpivon.cli", "train",
         "--dataset", "cifar10", "--model", args.model, "--optimizer", optimizer,
         "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-        "--epsilon", str(args.epsilon), "--device", args.device,
+        "--device", args.device,
         "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}", "--experiment", "trial-time",
         "--json", str(out), "--profile",
     ]  # fmt: skip
+    if optimizer in PRIVATE_OPTIMIZERS:  # a non-private run takes no epsilon (it is inf)
+        command += ["--epsilon", str(args.epsilon)]
     if args.per_class:
         command += ["--per-class", str(args.per_class)]
     if args.data_path:
