@@ -82,7 +82,7 @@ def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
 
 @pytest.mark.slow
 def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path):
-    path = write_pipeline(tmp_path, name="stopped", trials=1, epochs=3, optimizers=[DP_SGD],
+    path = write_pipeline(tmp_path, name="stopped", trials=1, epochs=5, optimizers=[DP_SGD],
                           scheduler={"type": "none"})
     pipeline = load_pipeline(path)
 
@@ -91,9 +91,13 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
         return sum(len(client.get_metric_history(c.info.run_id, "val_accuracy"))
                    for c in children)
 
-    # Ctrl-C (the terminal signals the whole process group) after epoch 1, then SIGTERM to
-    # the resumed driver alone (as `kill` or a container stop) after epoch 2.
-    for number, flags, epochs in ((signal.SIGINT, (), 1), (signal.SIGTERM, ("--resume",), 2)):
+    # Ctrl-C (the terminal signals the whole process group) after an epoch, then SIGTERM to
+    # the resumed driver alone (as `kill` or a container stop) after it logged one more. The
+    # count is taken before each start: the trial may log another epoch while the first stop
+    # waits for its checkpoint, and a signal must reach a driver that is running trials, not
+    # one still importing.
+    for number, flags in ((signal.SIGINT, ()), (signal.SIGTERM, ("--resume",))):
+        epochs = epochs_logged() + 1
         driver = _sweep_process(path, *flags)
         _wait_until(driver, lambda e=epochs: epochs_logged() >= e, f"epoch {epochs}")
         if number == signal.SIGINT:
@@ -114,7 +118,7 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
     assert parent.info.status == child.info.status == "FINISHED"
     # Each resume went on from the trial's last epoch checkpoint: every epoch ran once.
     history = client.get_metric_history(child.info.run_id, "val_accuracy")
-    assert [m.step for m in history] == [1, 2, 3]
+    assert [m.step for m in history] == [1, 2, 3, 4, 5]
 
 
 def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
