@@ -142,6 +142,7 @@ class TrainResult:
     privacy: PrivacyPlan | None
     epsilon_spent: float | None
     steps: int
+    train_images: int  # the records the run trained on (the accountant's dataset size)
     history: list[dict[str, float]]
     val: dict[str, float]
     test: dict[str, float] | None
@@ -169,6 +170,7 @@ class TrainResult:
             "noise_multiplier": plan.noise_multiplier if plan else 0.0,
             "sample_rate": plan.sample_rate if plan else None,
             "steps": self.steps,
+            "train_images": self.train_images,
             "max_grad_norm": c.privacy.max_grad_norm if plan else None,
             "engine": self.engine,
             "batch_size": c.training.batch_size,
@@ -660,6 +662,7 @@ class _TrainingRun:
             privacy=private.plan if private else None,
             epsilon_spent=private.epsilon_spent() if private else None,
             steps=private.steps_taken if private else self.total_steps,
+            train_images=len(self.data.train),
             history=self.history,
             val=self.val,
             test=test,

@@ -4,6 +4,7 @@ layout, report on the parent, resume)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -365,6 +366,8 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
         params, metrics = child.data.params, child.data.metrics
         assert child.info.status == "FINISHED" and child.data.tags[STATUS_TAG] == "completed"
         assert {"method", "replicate", "optimizer", "lr", "batch_size", "seed"} <= params.keys()
+        # the records the run trained on (and, private, its epsilon was accounted over)
+        assert int(params["train_images"]) == pipeline.data.train_size
         assert {
             "test_accuracy",
             "test_nll",
@@ -392,6 +395,8 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     assert "test_accuracy.eps8.dp-sgd" in parent.data.metrics
     page = pipeline.storage.read_text("report/report.html")
     assert "data:image/png;base64," in page
+    results = pd.read_csv(io.StringIO(pipeline.storage.read_text("report/results.csv")))
+    assert len(results) == 4 and (results["train_images"] == pipeline.data.train_size).all()
 
 
 def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from dpivon.evaluation import (
 )
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON
-from dpivon.process import keep_freed_memory
+from dpivon.process import KEEP_FREED_MEMORY_ENV, keep_freed_memory
 from dpivon.training import PHASES, load_data, train
 
 SMALL = {
@@ -169,3 +172,26 @@ def test_profile_prints_every_phase_and_adds_them_to_the_json(tmp_path):
 
 def test_the_allocator_setting_applies_on_glibc():
     assert keep_freed_memory()  # this machine's libc is glibc: mallopt accepts both settings
+
+
+@pytest.mark.parametrize(("setting", "kept"), [(None, True), ("1", True), ("0", False)])
+def test_freed_memory_is_kept_unless_the_environment_says_0(setting, kept):
+    # A process that frees 400 MB it wrote: kept resident (no unmap) unless
+    # DPIVON_KEEP_FREED_MEMORY=0 leaves glibc's defaults, which unmap it at once.
+    script = (
+        "import torch\n"
+        "from dpivon.process import configure_process\n"
+        "def resident(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "configure_process()\n"
+        "before = resident()\n"
+        "x = torch.ones(100_000_000)\n"
+        "del x\n"
+        "print((resident() - before) / 2**20)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != KEEP_FREED_MEMORY_ENV}
+    if setting is not None:
+        env[KEEP_FREED_MEMORY_ENV] = setting
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True)
+    grown_mb = float(out.stdout)
+    assert (grown_mb > 300) == kept, grown_mb

@@ -4,6 +4,8 @@ report carries the sweep's front and tuning budget."""
 
 from __future__ import annotations
 
+import shutil
+
 import mlflow
 import pytest
 import ray
@@ -31,8 +33,10 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         "epsilons": [8],
         "seeds": [0, 1, 2],
         "methods": [
-            {"name": "dp-sgd-tuned", "optimizer": "dp-sgd", "from_sweep": str(path),
-             "pick": "max-accuracy"},
+            # the sweep's folder, moved after the sweep (as one committed or downloaded):
+            # its tables name the checkpoints inside it
+            {"name": "dp-sgd-tuned", "optimizer": "dp-sgd",
+             "from_sweep": str(tmp_path / "moved" / "tune"), "pick": "max-accuracy"},
             {"name": "dp-sgd-fixed", "optimizer": "dp-sgd", "train": {"lr": 0.5}},
         ],
         "concurrency": 2,
@@ -47,7 +51,9 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
     try:
         sweep = load_pipeline(path)
         run_sweep(sweep)
-        folder = resolve_sweep(str(path))
+        (tmp_path / "moved").mkdir()
+        shutil.move(resolve_sweep(str(path)).path, tmp_path / "moved" / "tune")
+        folder = resolve_sweep(str(tmp_path / "moved" / "tune"))
         ((row, picked),) = export_configs(folder, SweepState.load(folder).objectives,
                                           "max-accuracy", optimizer="dp-sgd", epsilon=8.0,
                                           full_data=False, research_mode=False)

@@ -48,7 +48,7 @@ import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -138,6 +138,16 @@ class SweepStorage:
         """Where the file ``name`` of the folder is, to show or record: a local path, or a
         URI with the folder's options."""
         return self.uri_of(self._full(name))
+
+    def name_of(self, location: str) -> str:
+        """The name of a file of this folder from its location (the inverse of
+        :meth:`location`): a record that names it so still finds it once the folder is
+        copied, downloaded or committed elsewhere."""
+        _, path = open_uri(location)
+        try:
+            return PurePosixPath(path).relative_to(self.path).as_posix()
+        except ValueError:
+            raise DpivonError(f"{redact_uri(location)} is not in {redact_uri(self.uri)}") from None
 
     def experiment_path(self, experiment: str) -> str:
         """The path of a Tune experiment (``RunConfig(name=experiment)``) on

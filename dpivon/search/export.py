@@ -76,9 +76,10 @@ def load_results(storage: SweepStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
     return trials, front
 
 
-def trial_config(row: pd.Series) -> TrainConfig:
-    """The complete config a trial trained with, from its final checkpoint (path or URI)."""
-    with local_copy(row["checkpoint"]) as checkpoint:
+def trial_config(storage: SweepStorage, row: pd.Series) -> TrainConfig:
+    """The complete config a trial trained with, from its final checkpoint (named inside
+    the sweep's folder, wherever that folder is now)."""
+    with local_copy(storage.location(row["checkpoint"])) as checkpoint:
         state = torch.load(checkpoint / MODEL_FILE, map_location="cpu", weights_only=True)
     return TrainConfig.model_validate(state["config"])
 
@@ -180,7 +181,7 @@ def export_configs(
     picked = []
     for _, group in front.groupby(["optimizer", "epsilon"]):
         for _, row in pick(group, objectives, how).iterrows():
-            trial = trial_config(row)
+            trial = trial_config(storage, row)
             config = production_config(
                 trial,
                 epochs=epochs,

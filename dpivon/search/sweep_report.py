@@ -128,6 +128,8 @@ def report_sweep(
     # Everything below is computed from the record alone, read back whole, so that a first
     # finish and any resumed one write the same tables and log the same values.
     trials = trials_table(tracker, parent_run_id)
+    # The tables name each checkpoint inside the sweep's folder, which may move.
+    trials["checkpoint"] = trials["checkpoint"].map(storage.name_of, na_action="ignore")
     front = pareto_front(trials, objectives, by=by)
     released = released_models(front, pipeline)
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))

@@ -55,6 +55,7 @@ class RunRecord:
     epsilon: float
     replicate: int
     metrics: dict[str, float]
+    train_images: int | None = None  # what the run trained on (None: not recorded)
     history: dict[str, list[float]] = field(default_factory=dict)  # key -> value per epoch
     reliability: ReliabilityDiagram | None = None
     run_id: str = ""
@@ -87,6 +88,7 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
         for name in DIAGNOSTIC_KEYS:
             if name in metrics:
                 history[name] = [m.value for m in tracker.metric_history(run_id, name)]
+        train_images = run.data.params.get("train_images")
         bins = tracker.load_dict(run_id, RELIABILITY_FILE)
         reliability = None if bins is None else reliability_from_dict(bins)
         records.append(
@@ -96,6 +98,7 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
                 epsilon=epsilon,
                 replicate=int(tags["dpivon.replicate"]),
                 metrics=metrics,
+                train_images=None if train_images is None else int(train_images),
                 history=history,
                 reliability=reliability,
                 run_id=run_id,
@@ -105,24 +108,28 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
 
 
 def records_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
-    """One row per run: method, optimizer, epsilon, replicate and the aggregated metrics."""
+    """One row per run: method, optimizer, epsilon, replicate, training images and the
+    aggregated metrics."""
     rows = [
         {
             "method": r.method,
             "optimizer": r.optimizer,
             "epsilon": r.epsilon,
             "replicate": r.replicate,
+            "train_images": r.train_images,
             **{k: r.metrics.get(k, math.nan) for k in AGGREGATED},
         }
         for r in records
     ]
-    return pd.DataFrame(rows, columns=["method", "optimizer", "epsilon", "replicate", *AGGREGATED])
+    columns = ["method", "optimizer", "epsilon", "replicate", "train_images", *AGGREGATED]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def aggregate(
     records: Sequence[RunRecord], method_order: Sequence[str] | None = None
 ) -> pd.DataFrame:
-    """Per (method, epsilon): ``n`` seeds and ``<metric>_mean`` / ``<metric>_std``.
+    """Per (method, epsilon): ``n`` seeds, the training images (the seeds share the split)
+    and ``<metric>_mean`` / ``<metric>_std``.
 
     The std is the sample standard deviation over seeds (NaN with one seed). Rows follow
     ``method_order`` (else first appearance), then epsilon ascending (inf last).
@@ -136,6 +143,7 @@ def aggregate(
             "optimizer": group["optimizer"].iloc[0],
             "epsilon": float(epsilon),
             "n": len(group),
+            "train_images": group["train_images"].iloc[0],
         }
         for metric in AGGREGATED:
             values = group[metric].to_numpy(dtype=np.float64)

@@ -12,7 +12,8 @@ from dpivon.tracking.served_model import log_model
 if TYPE_CHECKING:
     from dpivon.training import TrainResult
 
-PRIVACY_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon")
+# What the run's epsilon was accounted over (train_images: the accountant's dataset size).
+RUN_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon", "train_images")
 
 
 def log_training_result(
@@ -20,7 +21,7 @@ def log_training_result(
 ) -> None:
     """Final metrics, privacy facts, the reliability diagram and the model of a TrainResult."""
     summary = result.summary()
-    tracker.log_params(run_id, {k: summary[k] for k in PRIVACY_PARAMS})
+    tracker.log_params(run_id, {k: summary[k] for k in RUN_PARAMS})
     # Per-epoch values are already logged; the rest of the summary's numbers are params.
     final = {
         k: v
