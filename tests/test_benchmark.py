@@ -272,7 +272,7 @@ def fake_sweep(tmp_path, name: str, trials_per_group: int, lr: float):
                     "status": "completed",
                     "val_accuracy": 0.5 - 0.1 * i,
                     "val_ece": 0.1 + 0.1 * i,
-                    "checkpoint": str(checkpoint),
+                    "checkpoint": f"{group}/trial0",  # inside the sweep's folder
                 }
             )
     trials = pd.DataFrame(rows)

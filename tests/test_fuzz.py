@@ -605,11 +605,14 @@ DUPLICATE = "@DUPLICATE@"  # a key written twice in the same mapping (see _emit)
 
 
 def _shipped_tree(path: Path) -> Any:
-    """The file's tree, with a pipeline's space paths made absolute (it is loaded from
-    another folder)."""
+    """The file's tree, with a pipeline's space paths and a benchmark's sweep folders made
+    absolute (it is loaded from another folder; sweep folders are run from the repo root)."""
     tree = yaml.safe_load(path.read_text())
     for entry in tree.get("optimizers", []) if isinstance(tree, dict) else []:
         entry["space"] = str((path.parent / entry["space"]).resolve())
+    for method in tree.get("methods", []) if isinstance(tree, dict) else []:
+        if "from_sweep" in method:
+            method["from_sweep"] = str(ROOT / method["from_sweep"])
     return tree
 
 

@@ -58,6 +58,11 @@ def test_round_trip(kind, tmp_path, s3, monkeypatch):
     with local_copy(checkpoint) as local:
         assert (local / "model.pt").read_bytes() == b"\x00weights"
         assert (local / "extra" / "meta").read_bytes() == b"m"
+    # ... and as the name the sweep's tables record, which opens again from the folder
+    assert storage.name_of(checkpoint) == "tune/trial_0/checkpoint_000001"
+    assert storage.location(storage.name_of(checkpoint)) == checkpoint
+    with pytest.raises(DpivonError, match="is not in"):
+        storage.name_of(SweepStorage(storage.storage_path, "other").uri)
     # the same sweep, found from its folder, and after a round trip through pickle (Tune)
     for again in (SweepStorage.at(storage.uri), pickle.loads(pickle.dumps(storage))):
         assert (again.uri, again.name) == (storage.uri, "sweep")
@@ -94,7 +99,7 @@ def _trained_checkpoint(storage: SweepStorage, trial: str, lr: float, tmp_path):
     folder = f"tune/{trial}/checkpoint_000000"
     storage.write_bytes(f"{folder}/{MODEL_FILE}", local.read_bytes())
     local.unlink()
-    return config, result, storage.uri_of(f"{storage.path}/{folder}")
+    return config, result, folder  # as a sweep's tables name it: inside the sweep's folder
 
 
 def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
@@ -136,7 +141,7 @@ def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
         assert [row["trial_id"] for row, _ in picked] == ["t0", "t1"]
         for row, exported in picked:
             trained = configs[row["trial_id"]]
-            assert trial_config(pd.Series(row)) == trained  # read back from the bucket
+            assert trial_config(found, pd.Series(row)) == trained  # read back from the bucket
             assert exported.optimizer == trained.optimizer
             assert exported.privacy.epsilon == trained.privacy.epsilon == 8.0
             assert exported.privacy.tuning.sweep == "remote"

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dpivon.data import DataSplits
 from dpivon.evaluation import evaluate_as_configured
-from dpivon.orchestration.storage import local_copy
+from dpivon.orchestration.storage import SweepStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.trial import MODEL_FILE
@@ -26,7 +26,9 @@ def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
     return pick(front, pipeline.objective_pairs, pipeline.release_pick, by=("optimizer", "epsilon"))
 
 
-def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker) -> None:
+def record_front_on_test(
+    front: pd.DataFrame, data: DataSplits, tracker: Tracker, storage: SweepStorage
+) -> None:
     """Test metrics and model of each front member (selected on validation, never on test),
     logged on its run unless its run records them already: finishing again (a resumed
     finished sweep) evaluates and logs nothing twice."""
@@ -34,7 +36,8 @@ def record_front_on_test(front: pd.DataFrame, data: DataSplits, tracker: Tracker
         scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
         modelled = tracker.has_logged_model(row.run_id)
         if not (scored and modelled):
-            with local_copy(row.checkpoint) as checkpoint:  # downloaded if stored remotely
+            # downloaded if stored remotely
+            with local_copy(storage.location(row.checkpoint)) as checkpoint:
                 config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
             if not scored:
                 result = evaluate_as_configured(config, model, data.test, posterior)

@@ -12,6 +12,7 @@ from enum import StrEnum
 import pandas as pd
 from mlflow.entities import Run
 
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.tracking.client import Tracker
 
 TRIAL_TAG = "dpivon.trial_id"
@@ -52,8 +53,11 @@ def trial_status(run: Run) -> TrialStatus:
     return status
 
 
-def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
+def trials_table(tracker: Tracker, parent_run_id: str, storage: SweepStorage) -> pd.DataFrame:
     """One row per trial: ids, group, outcome, checkpoint, ``param.*`` and last metrics.
+
+    ``checkpoint`` names the trial's final checkpoint inside the sweep's folder
+    (``storage.location`` opens it), so the tables hold wherever the folder is moved.
 
     ``epsilon`` is the group's budget (every front, hypervolume, plot and ``--epsilon``
     filter goes by it), ``trial_epsilon`` what the trial spent: the same number unless the
@@ -61,6 +65,7 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
     rows = []
     for run in tracker.child_runs(parent_run_id):
         tags, params = run.data.tags, run.data.params
+        checkpoint = tags.get(CHECKPOINT_TAG)
         rows.append(
             {
                 "trial_id": tags.get(TRIAL_TAG),
@@ -70,7 +75,7 @@ def trials_table(tracker: Tracker, parent_run_id: str) -> pd.DataFrame:
                 "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
                 "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
                 "status": trial_status(run).value,
-                "checkpoint": tags.get(CHECKPOINT_TAG),
+                "checkpoint": checkpoint and storage.name_of(checkpoint),
                 **{f"param.{k}": v for k, v in params.items()},
                 **run.data.metrics,
             }

@@ -120,16 +120,14 @@ def report_sweep(
     """Build and log everything the sweep concludes, its files both in the sweep's folder
     and on the parent run; returns the trials table."""
     objectives, by = pipeline.objective_pairs, ("optimizer", "epsilon")
-    record = trials_table(tracker, parent_run_id)
+    record = trials_table(tracker, parent_run_id, storage)
     if record.empty:
         raise DpivonError("the sweep recorded no trial; see the Ray logs above")
     front = pareto_front(record, objectives, by=by)
-    record_front_on_test(released_models(front, pipeline), data, tracker)
+    record_front_on_test(released_models(front, pipeline), data, tracker, storage)
     # Everything below is computed from the record alone, read back whole, so that a first
     # finish and any resumed one write the same tables and log the same values.
-    trials = trials_table(tracker, parent_run_id)
-    # The tables name each checkpoint inside the sweep's folder, which may move.
-    trials["checkpoint"] = trials["checkpoint"].map(storage.name_of, na_action="ignore")
+    trials = trials_table(tracker, parent_run_id, storage)
     front = pareto_front(trials, objectives, by=by)
     released = released_models(front, pipeline)
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
