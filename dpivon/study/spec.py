@@ -255,12 +255,32 @@ def _check_equal_budgets(budgets: dict[tuple[str, float], int], where: str) -> N
             )
 
 
+def _check_budgets_before_sweeps(pipeline: BenchmarkPipeline, where: str) -> None:
+    """A tuned method's epsilons are checked before its sweep is read, where the benchmark
+    fixes the batch size (all that reachability needs): a budget no run can meet is
+    refused as such, not as a group that the sweep never tuned."""
+    for method in pipeline.methods:
+        fixed = {**pipeline.train, **method.train}
+        if method.from_sweep is None or "batch_size" not in fixed:
+            continue
+        for eps in pipeline.method_epsilons(method):
+            source = f"{where}: method {method.name} at epsilon {eps:g}"
+            keys = {**pipeline.base_config(method, eps, pipeline.seeds[0]), **fixed}
+            config = parse_config(keys, source=source)
+            if config.is_private:
+                try:
+                    check_plan_reachable(config)
+                except DpivonError as err:
+                    raise DpivonError(f"invalid {source}: {err}") from None
+
+
 def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     """Read and validate a benchmark YAML file, resolving every run's TrainConfig."""
     path = Path(path)
     pipeline = BenchmarkPipeline.read(path)
     where = f"benchmark {path}"
 
+    _check_budgets_before_sweeps(pipeline, where)
     runs: list[RunSpec] = []
     budgets: dict[tuple[str, float], int] = {}
     for method in pipeline.methods:
