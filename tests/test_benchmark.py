@@ -322,6 +322,11 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     assert {r.method for r in load_benchmark(write_benchmark(tmp_path, methods=methods)).runs} == {
         "tuned", "fixed", "tuned-same"
     }
+    # an epsilon no run can meet is refused as such before the sweep is read (which has no
+    # group there: that error would hide the real one)
+    for epsilons, words in (([1e308], "above 1000"), ([1e-12], "the smallest")):
+        with pytest.raises(DpivonError, match=words):
+            load_benchmark(write_benchmark(tmp_path, methods=methods, epsilons=epsilons))
     # from a sweep of more trials per group, it would win by budget, not by merit
     other = fake_sweep(tmp_path, "s3", trials_per_group=3, lr=0.2)
     methods[-1] = {"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)}
