@@ -33,6 +33,7 @@ from dpivon.privacy.noise import (
     Randomness,
     SeededRandomness,
     mechanism_randomness,
+    without_key,
 )
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
@@ -429,6 +430,18 @@ def _checkpoint_state(epoch: int, setup: TrainingSetup, scheduler, history: list
         "rng": _rng_states(setup),
         "history": list(history),
     }
+
+
+def releasable_state(config: TrainConfig, state: dict) -> dict:
+    """A checkpoint ``state`` (`EpochReport.checkpoint`) that may be stored where the run's
+    releases are. Model, optimizer and accountant states are outputs of the private
+    mechanism (post-processing of the noised gradients; DP-SGD's guarantee covers every
+    iterate) and the torch generators draw only initialisation and posterior samples; what
+    remains private is dropped: the noise key (the resumed run continues under a fresh one)
+    and the history's metrics that the run's epsilon does not cover."""
+    rng = {**state["rng"], "randomness": without_key(state["rng"]["randomness"])}
+    history = [released_metrics(config, metrics) for metrics in state["history"]]
+    return {**state, "rng": rng, "history": history}
 
 
 def _restore(state: dict, setup: TrainingSetup, scheduler) -> tuple[int, list[dict]]:

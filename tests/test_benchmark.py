@@ -25,13 +25,20 @@ from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.study.aggregate import RunRecord, aggregate, compare
-from dpivon.study.benchmark import run_benchmark, score_on_test
+from dpivon.study.benchmark import (
+    RESUMED_TAG,
+    RunCheckpoint,
+    run_benchmark,
+    run_one,
+    score_on_test,
+)
 from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG
-from dpivon.study.spec import load_benchmark
+from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.checkpoints import save_checkpoint
-from dpivon.training import load_data, train
+from dpivon.training import NOT_COVERED_METRICS, load_data, released_metrics, train
 
 runner = CliRunner()
 
@@ -172,6 +179,125 @@ def test_scoring_on_test_gives_trains_own_test_metrics_and_a_temperature():
     assert np.array_equal(scored.test_reliability.bin_count, reference.test_reliability.bin_count)
     assert 0.01 <= scored.extra["temperature"] <= 100.0
     assert {"test_ts_nll", "test_ts_ece", "test_ts_brier"} <= scored.summary().keys()
+
+
+# --- runs continued from their checkpoints ------------------------------------------------
+
+
+def checkpoint_config(**overrides) -> TrainConfig:
+    fields = {
+        "optimizer": "dp-ivon-gradsq",
+        "dataset": "synthetic",
+        "synthetic_size": 300,
+        "model": "small-cnn",
+        "epochs": 3,
+        "batch_size": 64,
+        "bma_samples": 2,
+        "val_bma_samples": 1,
+        "epsilon": 8,
+    }
+    return TrainConfig(**(fields | overrides))
+
+
+def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None:
+    """run_one stopped by Ctrl-C once its first epoch is checkpointed (as a driver's
+    interrupt or a session's end stops it)."""
+    real_train = train
+
+    def train_until_interrupted(*args, on_epoch_end, **kwargs):
+        def save_then_stop(report):
+            on_epoch_end(report)
+            raise KeyboardInterrupt
+
+        return real_train(*args, on_epoch_end=save_then_stop, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("dpivon.study.benchmark.train", train_until_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_one(config, data, 1, checkpoint)
+    assert checkpoint.load()["epoch"] == 1
+
+
+def resumed(monkeypatch, config, data, checkpoint, epochs_trained: list[int]):
+    """run_one continued from ``checkpoint``, recording the epochs it trains."""
+    real_train = train
+
+    def recording_train(*args, on_epoch_end, **kwargs):
+        def record(report):
+            epochs_trained.append(report.epoch)
+            on_epoch_end(report)
+
+        return real_train(*args, on_epoch_end=record, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("dpivon.study.benchmark.train", recording_train)
+        return run_one(config, data, 1, checkpoint, checkpoint.load())
+
+
+def parameters(result) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in result.model.parameters()])
+
+
+def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
+    tmp_path, monkeypatch
+):
+    """Research mode (the noise follows the seed): the continued run trains epochs 2 and 3
+    only and ends where the uninterrupted run ends, history and parameters."""
+    config = checkpoint_config(research_mode=True)
+    data = load_data(config)
+    spec = RunSpec("dp-ivon-gradsq", 8.0, 0, config)
+    whole = run_one(config, data, 1, RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
+    checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "b"), spec)
+    interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
+    epochs: list[int] = []
+    continued = resumed(monkeypatch, config, data, checkpoint, epochs)
+    assert epochs == [2, 3]
+    assert [released_metrics(config, m) for m in continued.history] == [
+        released_metrics(config, m) for m in whole.history
+    ]
+    assert torch.equal(parameters(continued), parameters(whole))
+    assert continued.test == whole.test
+
+
+def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
+    tmp_path, monkeypatch
+):
+    """The checkpoint is kept with the results, so it must not let a reader replay the
+    noise: the key the run drew is nowhere in the file, nor is the raw training loss, and
+    two resumes from the one file add different noise (with the key kept, they would be
+    equal, as in research mode above)."""
+    config = checkpoint_config(epochs=2)
+    data = load_data(config)
+    spec = RunSpec("dp-ivon-gradsq", 8.0, 0, config)
+    checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "bench"), spec)
+    known_key = bytes(range(7, 39))
+    with monkeypatch.context() as patch:
+        patch.setattr("dpivon.privacy.noise.os_key", lambda: known_key)
+        interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
+    stored = checkpoint.folder.read_bytes(checkpoint.name)
+    assert known_key not in stored
+    state = checkpoint.load()
+    assert "key" not in state["rng"]["randomness"]
+    assert all(name not in m for m in state["history"] for name in NOT_COVERED_METRICS)
+
+    first = resumed(monkeypatch, config, data, checkpoint, [])
+    checkpoint.save(state)  # the same file again, as a second reader of it would resume
+    second = resumed(monkeypatch, config, data, checkpoint, [])
+    assert not torch.equal(parameters(first), parameters(second))
+    assert first.epsilon_spent == pytest.approx(second.epsilon_spent)
+
+
+def test_a_checkpoint_of_another_configuration_is_refused(tmp_path, monkeypatch):
+    config = checkpoint_config(epochs=2)
+    data = load_data(config)
+    storage = SweepStorage(str(tmp_path), "bench")
+    checkpoint = RunCheckpoint.of(storage, RunSpec("m", 8.0, 0, config))
+    interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
+    changed = checkpoint_config(epochs=2, lr=0.5)
+    other = RunCheckpoint.of(storage, RunSpec("m", 8.0, 0, changed))
+    assert other.name == checkpoint.name
+    with pytest.raises(DpivonError, match="another configuration of this run; delete it"):
+        other.load()
 
 
 # --- pipelines ---------------------------------------------------------------------------
@@ -402,6 +528,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     assert "data:image/png;base64," in page
     results = pd.read_csv(io.StringIO(pipeline.storage.read_text("report/results.csv")))
     assert len(results) == 4 and (results["train_images"] == pipeline.data.train_size).all()
+    assert pipeline.storage.listdir("checkpoints") == []  # each removed once its run was logged
 
 
 def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
@@ -412,11 +539,18 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
     client.set_tag(interrupted.info.run_id, STATUS_TAG, "running")
     client.update_run(interrupted.info.run_id, status="RUNNING")
     ended = {c.info.run_id: c.info.end_time for c in children}
+    # ... after the run had checkpointed its (only) epoch
+    spec = next(r for r in pipeline.runs if r.key == "dp-sgd|eps8|seed1")
+    checkpoint = RunCheckpoint.of(pipeline.storage, spec)
+    run_one(spec.config, load_data(spec.config), 1, checkpoint)
+    assert checkpoint.load()["epoch"] == 1
 
     with pytest.raises(DpivonError, match="pass --resume"):
         run_benchmark(pipeline)
     outcome = run_benchmark(pipeline, resume=True)
     assert outcome.skipped == 11 and outcome.completed == ["dp-sgd|eps8|seed1"]
+    assert client.get_run(interrupted.info.run_id).data.tags[RESUMED_TAG] == "1"
+    assert checkpoint.load() is None
     _, parents, after = runs_of(tmp_path, pipeline.experiment)
     assert len(parents) == 1 and len(after) == 12  # the same child run was reused
     for child in after:

@@ -224,6 +224,12 @@ class SweepStorage:
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode("utf-8"))
 
+    def remove(self, name: str) -> None:
+        """Delete one file; nothing when it is missing."""
+        with self._errors("delete", name):
+            if self.exists(name):
+                self.filesystem.delete_file(self._full(name))
+
     def remove_files_named(self, folder: str, filename: str) -> int:
         """Delete every file called ``filename`` anywhere under ``folder``; how many."""
         selector = pafs.FileSelector(self._full(folder), allow_not_found=True, recursive=True)

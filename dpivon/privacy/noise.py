@@ -120,8 +120,18 @@ class SecureRandomness:
         }
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self._key = bytes(state["key"].tolist())
+        """Continue the stream of ``state``; a state without its key (`without_key`: one
+        that was stored with the run's releases) continues under a fresh key from the OS."""
+        self._key = bytes(state["key"].tolist()) if "key" in state else os_key()
         self._draws = int(state["draws"])
+
+
+def without_key(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A randomness state that may be stored with what a run releases: a secure stream's
+    key dropped, so that what was released does not determine the noise and batches of the
+    steps after a resume (the resumed stream is keyed afresh); a seeded generator's state
+    is kept, since the seed already reproduces it."""
+    return {name: value for name, value in state.items() if name != "key"}
 
 
 class SeededRandomness:

@@ -10,14 +10,18 @@ results are polled, and a run past ``run_timeout_s`` is cancelled and recorded a
 
 State lives in ``<storage_path>/<name>/benchmark.json`` (the parent run). ``--resume``
 reuses the parent and skips every child that MLflow records as completed; a child that was
-running, failed or cancelled runs again in the same MLflow run. A run is only skipped if
-its configuration is the one the pipeline asks for now (a config hash on the child).
+running, failed or cancelled runs again in the same MLflow run, from its last finished
+epoch where a `RunCheckpoint` holds one. A run is only skipped or continued if its
+configuration is the one the pipeline asks for now (a config hash on the child and in the
+checkpoint).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import math
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -39,6 +43,7 @@ from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliabili
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.state_file import RunState
+from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import configure_process
 from dpivon.study.aggregate import load_records
@@ -55,11 +60,20 @@ from dpivon.study.layout import (
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.training_run import log_training_result
-from dpivon.training import TrainResult, load_data, released_metrics, train
+from dpivon.training import (
+    EpochReport,
+    TrainResult,
+    load_data,
+    releasable_state,
+    released_metrics,
+    train,
+)
 
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
 POLL_S = 5.0  # how long one wait for a finished run lasts before deadlines are checked
+CHECKPOINTS = "checkpoints"  # <storage>/checkpoints/<run>.pt: the runs in progress
+RESUMED_TAG = "dpivon.resumed_after_epoch"
 console = Console(stderr=True)
 
 
@@ -117,12 +131,70 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
     return replace(result, test=test.metrics, test_reliability=diagram, extra=extra)
 
 
-def run_one(config: TrainConfig, data: DataSplits, threads: int) -> TrainResult:
-    """Body of the Ray task: train, test, temperature-scale; the model returns on the CPU."""
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One run's state after its last finished epoch, rewritten after every epoch in the
+    benchmark's folder: `--resume` continues an interrupted run from it, in a later session
+    too, since the folder may be kept (and published) with the results. It therefore holds
+    only what the run may release (`dpivon.training.releasable_state`): no noise key, so a
+    resumed run draws its later noise and batches under a fresh one. Deleted once the
+    run's result is logged."""
+
+    folder: SweepStorage  # <storage>/checkpoints, by its absolute location
+    name: str
+    config_hash: str
+
+    @classmethod
+    def of(cls, storage: SweepStorage, spec: RunSpec) -> RunCheckpoint:
+        # "." is in no method name: distinct keys give distinct files
+        name = re.sub(r"[^A-Za-z0-9_.-]", ".", spec.key) + ".pt"
+        return cls(SweepStorage.at(storage.location(CHECKPOINTS)), name, config_hash(spec))
+
+    def load(self) -> dict | None:
+        """The saved training state, or None when the run has none."""
+        if not self.folder.exists(self.name):
+            return None
+        where = self.folder.location(self.name)
+        try:
+            saved = torch.load(io.BytesIO(self.folder.read_bytes(self.name)), weights_only=True)
+        except Exception as err:  # a truncated or foreign file: say which
+            raise DpivonError(f"checkpoint {where} is unreadable ({err}); delete it") from None
+        if saved.get("config_hash") != self.config_hash:
+            raise DpivonError(
+                f"checkpoint {where} is of another configuration of this run; delete it to "
+                "train the run from its start"
+            )
+        return saved["training"]
+
+    def save(self, state: dict) -> None:
+        buffer = io.BytesIO()
+        torch.save({"config_hash": self.config_hash, "training": state}, buffer)
+        self.folder.write_bytes(self.name, buffer.getvalue())
+
+    def remove(self) -> None:
+        self.folder.remove(self.name)
+
+
+def run_one(
+    config: TrainConfig,
+    data: DataSplits,
+    threads: int,
+    checkpoint: RunCheckpoint,
+    resume_state: dict | None = None,
+) -> TrainResult:
+    """Body of the Ray task: train (from ``resume_state``, checkpointing every epoch), test,
+    temperature-scale; the model returns on the CPU."""
     quiet_known_output()  # a Ray worker is an entry point of its own
     configure_process()
     torch.set_num_threads(max(1, threads))
-    return score_on_test(train(config, data=data, evaluate_test=False), data)
+
+    def save(report: EpochReport) -> None:
+        checkpoint.save(releasable_state(config, report.checkpoint()))
+
+    result = train(
+        config, data=data, evaluate_test=False, on_epoch_end=save, resume_state=resume_state
+    )
+    return score_on_test(result, data)
 
 
 # --- MLflow layout --------------------------------------------------------------------------
@@ -302,13 +374,26 @@ def execute_runs(
     task = ray.remote(num_cpus=cpu, num_gpus=gpu, max_retries=0)(run_one)
     data_ref = ray.put(data)
     queue = list(todo)
-    in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, float]] = {}
+    in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, RunCheckpoint, float]] = {}
     total = len(pipeline.runs)
     with _progress() as bar:
         progress = bar.add_task(pipeline.name, total=total, completed=total - len(todo), status="")
 
+        def submit(spec: RunSpec) -> None:
+            run_id = _open_child(tracker, parent, spec, existing.get(spec.key))
+            checkpoint = RunCheckpoint.of(pipeline.storage, spec)
+            state = checkpoint.load()
+            if state is not None:
+                tracker.set_tags(run_id, {RESUMED_TAG: str(state["epoch"])})
+                bar.console.print(
+                    f"[bold]{spec.key}[/] continues after epoch {state['epoch']}", highlight=False
+                )
+            threads = max(1, int(cpu))
+            ref = task.remote(spec.config, data_ref, threads, checkpoint, state)
+            in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
+
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
-            spec, run_id, _ = in_flight.pop(ref)
+            spec, run_id, checkpoint, _ = in_flight.pop(ref)
             if message is None:
                 try:
                     result = ray.get(ref, timeout=GET_TIMEOUT_S)
@@ -316,6 +401,7 @@ def execute_runs(
                     message = error_line(err)
                 else:
                     _log_result(tracker, run_id, result)
+                    checkpoint.remove()  # the run's record is complete in MLflow
                     outcome.completed.append(spec.key)
                     bar.console.print(_finished_line(spec, result), highlight=False)
             if message is not None:
@@ -331,11 +417,7 @@ def execute_runs(
         try:
             while queue or in_flight:
                 while queue and len(in_flight) < pipeline.concurrency:
-                    spec = queue.pop(0)
-                    run_id = _open_child(tracker, parent, spec, existing.get(spec.key))
-                    threads = max(1, int(cpu))
-                    ref = task.remote(spec.config, data_ref, threads)
-                    in_flight[ref] = (spec, run_id, time.monotonic())
+                    submit(queue.pop(0))
                 bar.update(
                     progress, status=f"{len(in_flight)} running, {len(outcome.failed)} failed"
                 )
@@ -343,14 +425,18 @@ def execute_runs(
                 for ref in ready:
                     finish(ref)
                 now = time.monotonic()
-                for ref, (_, _, started) in list(in_flight.items()):
+                for ref, (*_, started) in list(in_flight.items()):
                     if now - started > pipeline.run_timeout_s:
                         ray.cancel(ref, force=True)
                         finish(ref, f"cancelled after run_timeout_s={pipeline.run_timeout_s:g} s")
         except KeyboardInterrupt:
             for ref in list(in_flight):
                 ray.cancel(ref, force=True)
-                finish(ref, "interrupted (Ctrl-C); --resume runs it again", status="KILLED")
+                finish(
+                    ref,
+                    "interrupted (Ctrl-C); --resume continues it from its last finished epoch",
+                    status="KILLED",
+                )
             raise
 
 
