@@ -27,7 +27,6 @@ from rich.console import Console
 from rich.table import Table
 from step_time import (
     build_run,
-    keep_freed_memory,
     round_robin_medians,
     synchronize,
     synthetic_data,
@@ -35,6 +34,7 @@ from step_time import (
 
 from dpivon.logs import quiet_known_output
 from dpivon.privacy.noise import SecureRandomness, SeededRandomness, gaussian_noise
+from dpivon.process import allocator, configure_process, jemalloc_loaded, preload_jemalloc
 from dpivon.training import resolve_device
 
 MODES = {"research": True, "secure": False}  # mode -> research_mode
@@ -53,7 +53,9 @@ def draw_ms(draw, device: torch.device, repeats: int) -> float:
 
 
 def main() -> None:
+    preload_jemalloc()
     quiet_known_output()
+    configure_process()  # what `dpivon train`, sweep trials and benchmark runs apply
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tanh-cnn")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -66,8 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     console = Console(width=120)
-    if device.type == "cpu":
-        console.print(f"glibc keeps freed memory (no per-step page faults): {keep_freed_memory()}")
+    console.print(f"allocator: {allocator()} (jemalloc loaded: {jemalloc_loaded()})")
     console.print(f"load average before: {os.getloadavg()}")
 
     data = synthetic_data(args.batch_size)

@@ -49,7 +49,7 @@ from dpivon.data import DataSplits
 from dpivon.logs import quiet_known_output
 from dpivon.optim.ivon import DPIVON
 from dpivon.privacy.engine import plan_privacy
-from dpivon.process import configure_process
+from dpivon.process import configure_process, preload_jemalloc
 from dpivon.training import (
     UPDATE_SHARE_EVERY,
     build_training,
@@ -312,6 +312,7 @@ def print_epoch_table(epochs: list[Row], console: Console) -> None:
 
 
 def main() -> None:
+    preload_jemalloc()  # restarts the script on jemalloc, as the `dpivon` command starts
     quiet_known_output()
     configure_process()  # what `dpivon train`, sweep trials and benchmark runs apply
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

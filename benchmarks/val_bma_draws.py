@@ -27,7 +27,7 @@ from dpivon.evaluation import Posterior, posterior_draws, predict_probs
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import classification_metrics
 from dpivon.models import build_model
-from dpivon.process import configure_process
+from dpivon.process import configure_process, preload_jemalloc
 from dpivon.training import EpochReport, load_data, train
 
 DRAWS = (1, 2, 4, 8, 16)
@@ -63,6 +63,7 @@ def draw_metrics(model, posterior, dataset, seed: int, n_bins: int) -> dict[str,
 
 
 def main() -> None:
+    preload_jemalloc()  # restarts the script on jemalloc, as the `dpivon` command starts
     quiet_known_output()
     configure_process()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

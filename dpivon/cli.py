@@ -31,7 +31,7 @@ from dpivon.config import (
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.paths import check_writable
-from dpivon.process import configure_process
+from dpivon.process import configure_process, preload_jemalloc
 
 
 class _OneLineUsageErrors(typer.core.TyperGroup):
@@ -741,6 +741,12 @@ def predict(
 
 
 def main() -> None:
+    """The `dpivon` command: restarted on jemalloc first (`dpivon.process`), then the app."""
+    try:
+        preload_jemalloc()
+    except DpivonError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     app()
 
 

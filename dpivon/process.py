@@ -1,30 +1,86 @@
 """Process settings that dpivon's entry points apply (`dpivon` commands, Ray trials,
 benchmark runs, the benchmark scripts), so that what users run is what the benchmarks time.
-Library modules never do this at import."""
+Library modules never do this at import.
+
+The allocator, ``DPIVON_ALLOCATOR``:
+
+- ``jemalloc`` (the default): the `dpivon` command restarts itself once with the jemalloc
+  that Ray's wheel ships preloaded, told never to give freed memory back
+  (`JEMALLOC_CONF`); Ray's local workers inherit it. Without it glibc gives each large
+  tensor its own mapping, unmapped when freed, and every training step page-faults that
+  memory back in and zeroes it. Measured on a 2-core CPU (tanh-cnn DP-SGD, batch 1,024, 20
+  steps, two threads): 33 s and 3.9 GB resident, against 38 s and 6.2 GB with
+  ``keep-freed`` and 87 s and 3.6 GB with ``glibc``.
+- ``keep-freed``: glibc told to keep freed memory (`keep_freed_memory`); the setting of a
+  process that was not started with jemalloc (a library caller, a remote Ray worker).
+  Poisson batches of varying size fragment what it keeps: a full-data trial grew to 11-15 GB.
+- ``glibc``: glibc's defaults, memory given back at once.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
+from dpivon.errors import DpivonError
+
+ALLOCATOR_ENV = "DPIVON_ALLOCATOR"
+ALLOCATORS = ("jemalloc", "keep-freed", "glibc")
+# jemalloc's purging off: freed pages stay mapped for the next step, as with keep-freed
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+_RESTARTED_ENV = "DPIVON_ALLOCATOR_RESTARTED"  # set for the restart: it happens once
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
-# "0": leave glibc's defaults (memory given back), for nodes that run many trials at once.
-KEEP_FREED_MEMORY_ENV = "DPIVON_KEEP_FREED_MEMORY"
+
+
+def allocator() -> str:
+    """The allocator ``DPIVON_ALLOCATOR`` asks for (default jemalloc)."""
+    choice = os.environ.get(ALLOCATOR_ENV, "jemalloc")
+    if choice not in ALLOCATORS:
+        raise DpivonError(
+            f"{ALLOCATOR_ENV} must be one of {', '.join(ALLOCATORS)}, got {choice!r}"
+        )
+    return choice
+
+
+def jemalloc_library() -> Path | None:
+    """The jemalloc that Ray's wheel ships (Ray is a dependency), where it ships one."""
+    spec = importlib.util.find_spec("ray")  # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    library = Path(spec.submodule_search_locations[0]) / "core" / "libjemalloc.so"
+    return library if library.is_file() else None
+
+
+def jemalloc_loaded() -> bool:
+    """Whether this process runs on jemalloc (Linux; False where it cannot tell)."""
+    try:
+        return "libjemalloc" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def preload_jemalloc() -> None:
+    """Restart this process (same arguments, same PID) with jemalloc preloaded when it is
+    the allocator asked for, available and not loaded yet; call it before any work."""
+    if allocator() != "jemalloc" or os.environ.get(_RESTARTED_ENV) or jemalloc_loaded():
+        return
+    library = jemalloc_library()
+    if library is None:
+        return
+    env = dict(os.environ, **{_RESTARTED_ENV: "1"})
+    env["LD_PRELOAD"] = " ".join(filter(None, (str(library), env.get("LD_PRELOAD"))))
+    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse instead of unmapping or trimming it; False
-    where the C library is not glibc.
-
-    By default glibc gives large tensors their own mapping, unmapped when freed, and trims
-    the heap top: every training step then page-faults that memory back in and zeroes it
-    (measured here: a fifth to a quarter of a tanh-cnn step at batch 256 on a CPU, more for
-    the private engines, whose per-example tensors are larger). tcmalloc or jemalloc avoid
-    it, as this does. The price: the process keeps its peak memory until it exits, and
-    batches of varying size (Poisson sampling) fragment it: a one-thread tanh-cnn DP-SGD
-    run at batch 1,024 grew from 3.5 to 5.7 GB resident over 19 steps (3.1 GB peak with
-    glibc's defaults, and 1.4x the time), a sweep trial to 11 GB.
-    """
+    where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
@@ -33,7 +89,9 @@ def keep_freed_memory() -> bool:
 
 
 def configure_process() -> None:
-    """What every entry point sets before it trains: the allocator setting above, unless
-    ``DPIVON_KEEP_FREED_MEMORY=0`` (Ray passes the driver's environment to its trials)."""
-    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") != "0":
+    """What every entry point sets before it trains: nothing more on jemalloc (preloaded by
+    the `dpivon` command, inherited by local Ray workers); glibc keeping freed memory where
+    jemalloc was asked for but is not loaded, or ``keep-freed`` was asked for."""
+    choice = allocator()
+    if choice == "keep-freed" or (choice == "jemalloc" and not jemalloc_loaded()):
         keep_freed_memory()

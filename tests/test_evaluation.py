@@ -26,7 +26,7 @@ from dpivon.evaluation import (
 )
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON
-from dpivon.process import KEEP_FREED_MEMORY_ENV, keep_freed_memory
+from dpivon.process import ALLOCATOR_ENV, keep_freed_memory
 from dpivon.training import PHASES, load_data, train
 
 SMALL = {
@@ -174,24 +174,41 @@ def test_the_allocator_setting_applies_on_glibc():
     assert keep_freed_memory()  # this machine's libc is glibc: mallopt accepts both settings
 
 
-@pytest.mark.parametrize(("setting", "kept"), [(None, True), ("1", True), ("0", False)])
-def test_freed_memory_is_kept_unless_the_environment_says_0(setting, kept):
-    # A process that frees 400 MB it wrote: kept resident (no unmap) unless
-    # DPIVON_KEEP_FREED_MEMORY=0 leaves glibc's defaults, which unmap it at once.
+@pytest.mark.parametrize(
+    ("setting", "on_jemalloc", "kept"),
+    [(None, True, True), ("jemalloc", True, True), ("keep-freed", False, True),
+     ("glibc", False, False)],
+)  # fmt: skip
+def test_the_allocator_asked_for_runs_and_keeps_freed_memory_or_not(setting, on_jemalloc, kept):
+    # A process started as the `dpivon` command starts (restart on jemalloc, then the
+    # process settings) frees 400 MB it wrote: jemalloc (the default) and glibc told to
+    # keep freed memory keep it resident for the next step; glibc's defaults unmap it.
     script = (
         "import torch\n"
-        "from dpivon.process import configure_process\n"
-        "def resident(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "from dpivon.process import configure_process, jemalloc_loaded, preload_jemalloc\n"
+        "preload_jemalloc()\n"
         "configure_process()\n"
+        "def resident(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "before = resident()\n"
         "x = torch.ones(100_000_000)\n"
         "del x\n"
-        "print((resident() - before) / 2**20)\n"
+        "print(jemalloc_loaded(), (resident() - before) / 2**20)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != KEEP_FREED_MEMORY_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (ALLOCATOR_ENV, "LD_PRELOAD")}
     if setting is not None:
-        env[KEEP_FREED_MEMORY_ENV] = setting
+        env[ALLOCATOR_ENV] = setting
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True)
-    grown_mb = float(out.stdout)
-    assert (grown_mb > 300) == kept, grown_mb
+    loaded, grown_mb = out.stdout.split()
+    assert loaded == str(on_jemalloc)
+    assert (float(grown_mb) > 300) == kept, grown_mb
+
+
+def test_an_unknown_allocator_is_one_line_and_exit_2():
+    env = dict(os.environ, **{ALLOCATOR_ENV: "tcmalloc"})
+    out = subprocess.run([sys.executable, "-m", "dpivon.cli", "--help"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "error: DPIVON_ALLOCATOR must be one of jemalloc, keep-freed, glibc, got 'tcmalloc'"
+    ]
