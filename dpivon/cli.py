@@ -466,7 +466,13 @@ def benchmark(
     pipeline: Opt[
         Path, typer.Argument(help="benchmark YAML, e.g. pipelines/benchmark-cifar10-4k.yaml")
     ],
-    resume: Opt[bool, typer.Option(help="skip runs MLflow records as completed")] = False,
+    resume: Opt[
+        bool,
+        typer.Option(help="skip runs MLflow records as completed, continue interrupted ones"),
+    ] = False,
+    report_only: Opt[
+        bool, typer.Option(help="train nothing: the report of the runs completed so far")
+    ] = False,
     address: RayAddress = None,
     tracking_uri: PipelineTrackingUri = None,
 ) -> None:
@@ -476,8 +482,16 @@ def benchmark(
     from dpivon.study.benchmark_report import results_rows
     from dpivon.study.spec import load_benchmark
 
+    if resume and report_only:
+        raise DpivonError("--resume trains and --report-only does not: pass one of them")
     loaded = load_benchmark(pipeline)
-    outcome = run_benchmark(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
+    outcome = run_benchmark(
+        loaded,
+        address=address,
+        tracking_uri=tracking_uri,
+        resume=resume,
+        report_only=report_only,
+    )
     header, rows = results_rows(outcome.report.table)
     table = Table(title=f"benchmark {loaded.name}: mean ± std over seeds")
     for column in header:

@@ -575,3 +575,40 @@ def test_resuming_a_finished_benchmark_twice_changes_nothing(finished_benchmark)
         assert "0 of 12 runs to do (12 finished before)" in " ".join(result.output.split())
         assert store_snapshot(tmp_path, pipeline.experiment, Path(pipeline.storage.path)) == before
     assert {"report/report.md", "report/results.csv", "report/runs.csv"} <= set(before["results"])
+
+
+def test_report_only_reports_the_completed_runs_of_an_interrupted_benchmark(finished_benchmark):
+    """--report-only trains nothing: the report of an interrupted benchmark covers its
+    completed runs, and the interrupted run is left for --resume."""
+    tmp_path, pipeline, _ = finished_benchmark
+    client, _, children = runs_of(tmp_path, pipeline.experiment)
+    interrupted = next(c for c in children if c.data.tags[KEY_TAG] == "dp-sgd|eps8|seed2")
+    client.set_tag(interrupted.info.run_id, STATUS_TAG, "running")
+    client.update_run(interrupted.info.run_id, status="KILLED")
+    try:
+        result = runner.invoke(app, ["benchmark", str(pipeline.path), "--report-only"])
+        assert result.exit_code == 0, result.output
+        assert "the report of 11 of 12 runs" in " ".join(result.output.split())
+        assert "11 of 12 runs completed" in pipeline.storage.read_text("report/report.md")
+        runs = pd.read_csv(io.StringIO(pipeline.storage.read_text("report/runs.csv")))
+        assert len(runs) == 11
+        after = client.get_run(interrupted.info.run_id)
+        assert after.info.status == "KILLED" and after.data.tags[STATUS_TAG] == "running"
+    finally:
+        client.set_tag(interrupted.info.run_id, STATUS_TAG, "completed")
+        client.update_run(interrupted.info.run_id, status="FINISHED")
+        runner.invoke(app, ["benchmark", str(pipeline.path), "--report-only"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--report-only", "--resume"], "pass one of them"),
+        (["--report-only"], "has not started in"),
+    ],
+)
+def test_report_only_errors_are_one_line(tmp_path, extra, message):
+    result = runner.invoke(app, ["benchmark", write_benchmark(tmp_path, name="never"), *extra])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "runs" / "never").exists()

@@ -489,15 +489,19 @@ def run_benchmark(
     address: str | None = None,
     tracking_uri: str | None = None,
     resume: bool = False,
+    report_only: bool = False,
 ) -> BenchmarkOutcome:
     """Run (or resume) every run of the benchmark, then report on all completed runs.
 
     Runs that fail are recorded (FAILED child, error tag) and left out of the report; the
     parent still ends FINISHED, with ``failed_runs`` saying how many, so that ``--resume``
-    can complete it later.
+    can complete it later. ``report_only``: train nothing, report on the runs completed so
+    far (an interrupted benchmark's, whose parent keeps its status).
     """
     pipeline.storage.check_writable()
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
+    if report_only:
+        return _report_only(pipeline, tracker)
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
     existing = tracker.child_runs_by_tag(parent, KEY_TAG)
@@ -524,4 +528,27 @@ def run_benchmark(
         raise
     tracker.set_tags(parent, {"failed_runs": str(len(outcome.failed))})
     tracker.end_run(parent, "FINISHED")
+    return outcome
+
+
+def _report_only(pipeline: BenchmarkPipeline, tracker: Tracker) -> BenchmarkOutcome:
+    storage = pipeline.storage
+    if not BenchmarkState.exists(storage):
+        raise DpivonError(
+            f"benchmark {pipeline.name!r} has not started in {storage.uri}: nothing to report; "
+            "run it without --report-only"
+        )
+    parent = BenchmarkState.load(storage).parent_run_id
+    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
+    done = sum(is_completed(existing[s.key]) for s in pipeline.runs if s.key in existing)
+    if done == 0:
+        raise DpivonError(
+            f"benchmark {pipeline.name!r} has no completed run yet: nothing to report"
+        )
+    outcome = BenchmarkOutcome(parent, tracker, skipped=done)
+    console.print(
+        f"benchmark {pipeline.name!r}: the report of {done} of {len(pipeline.runs)} runs "
+        f"(MLflow {tracker.display_uri}, parent run {parent}); nothing is trained"
+    )
+    outcome.report, outcome.report_files = report_benchmark(pipeline, tracker, parent, {})
     return outcome
