@@ -8,6 +8,7 @@ import io
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import mlflow
@@ -215,7 +216,7 @@ def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None
         patch.setattr("dpivon.study.benchmark.train", train_until_interrupted)
         with pytest.raises(KeyboardInterrupt):
             run_one(config, data, 1, checkpoint)
-    assert checkpoint.load()["epoch"] == 1
+    assert checkpoint.load().state["epoch"] == 1
 
 
 def resumed(monkeypatch, config, data, checkpoint, epochs_trained: list[int]):
@@ -250,7 +251,10 @@ def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
     checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "b"), spec)
     interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
     epochs: list[int] = []
+    started = time.perf_counter()
     continued = resumed(monkeypatch, config, data, checkpoint, epochs)
+    # the run's wall time counts the interrupted attempt too
+    assert continued.wall_time_s > time.perf_counter() - started
     assert epochs == [2, 3]
     assert [released_metrics(config, m) for m in continued.history] == [
         released_metrics(config, m) for m in whole.history
@@ -276,12 +280,12 @@ def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
         interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
     stored = checkpoint.folder.read_bytes(checkpoint.name)
     assert known_key not in stored
-    state = checkpoint.load()
-    assert "key" not in state["rng"]["randomness"]
-    assert all(name not in m for m in state["history"] for name in NOT_COVERED_METRICS)
+    saved = checkpoint.load()
+    assert "key" not in saved.state["rng"]["randomness"]
+    assert all(name not in m for m in saved.state["history"] for name in NOT_COVERED_METRICS)
 
     first = resumed(monkeypatch, config, data, checkpoint, [])
-    checkpoint.save(state)  # the same file again, as a second reader of it would resume
+    checkpoint.save(saved)  # the same file again, as a second reader of it would resume
     second = resumed(monkeypatch, config, data, checkpoint, [])
     assert not torch.equal(parameters(first), parameters(second))
     assert first.epsilon_spent == pytest.approx(second.epsilon_spent)
@@ -543,7 +547,7 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
     spec = next(r for r in pipeline.runs if r.key == "dp-sgd|eps8|seed1")
     checkpoint = RunCheckpoint.of(pipeline.storage, spec)
     run_one(spec.config, load_data(spec.config), 1, checkpoint)
-    assert checkpoint.load()["epoch"] == 1
+    assert checkpoint.load().state["epoch"] == 1
 
     with pytest.raises(DpivonError, match="pass --resume"):
         run_benchmark(pipeline)

@@ -132,6 +132,14 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
 
 
 @dataclass(frozen=True)
+class SavedEpoch:
+    """A run's releasable state after an epoch, and the seconds its attempts took so far."""
+
+    state: dict
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RunCheckpoint:
     """One run's state after its last finished epoch, rewritten after every epoch in the
     benchmark's folder: `--resume` continues an interrupted run from it, in a later session
@@ -150,7 +158,7 @@ class RunCheckpoint:
         name = re.sub(r"[^A-Za-z0-9_.-]", ".", spec.key) + ".pt"
         return cls(SweepStorage.at(storage.location(CHECKPOINTS)), name, config_hash(spec))
 
-    def load(self) -> dict | None:
+    def load(self) -> SavedEpoch | None:
         """The saved training state, or None when the run has none."""
         if not self.folder.exists(self.name):
             return None
@@ -164,11 +172,12 @@ class RunCheckpoint:
                 f"checkpoint {where} is of another configuration of this run; delete it to "
                 "train the run from its start"
             )
-        return saved["training"]
+        return SavedEpoch(saved["training"], float(saved["seconds"]))
 
-    def save(self, state: dict) -> None:
+    def save(self, saved: SavedEpoch) -> None:
         buffer = io.BytesIO()
-        torch.save({"config_hash": self.config_hash, "training": state}, buffer)
+        payload = {"training": saved.state, "seconds": saved.seconds}
+        torch.save({"config_hash": self.config_hash, **payload}, buffer)
         self.folder.write_bytes(self.name, buffer.getvalue())
 
     def remove(self) -> None:
@@ -180,21 +189,30 @@ def run_one(
     data: DataSplits,
     threads: int,
     checkpoint: RunCheckpoint,
-    resume_state: dict | None = None,
+    resume: SavedEpoch | None = None,
 ) -> TrainResult:
-    """Body of the Ray task: train (from ``resume_state``, checkpointing every epoch), test,
-    temperature-scale; the model returns on the CPU."""
+    """Body of the Ray task: train (from ``resume``, checkpointing every epoch), test,
+    temperature-scale; the model returns on the CPU, its wall time summed over attempts."""
     quiet_known_output()  # a Ray worker is an entry point of its own
     configure_process()
     torch.set_num_threads(max(1, threads))
 
+    earlier_s = resume.seconds if resume is not None else 0.0
+    started = time.perf_counter()
+
     def save(report: EpochReport) -> None:
-        checkpoint.save(releasable_state(config, report.checkpoint()))
+        seconds = earlier_s + time.perf_counter() - started
+        checkpoint.save(SavedEpoch(releasable_state(config, report.checkpoint()), seconds))
 
     result = train(
-        config, data=data, evaluate_test=False, on_epoch_end=save, resume_state=resume_state
+        config,
+        data=data,
+        evaluate_test=False,
+        on_epoch_end=save,
+        resume_state=resume.state if resume is not None else None,
     )
-    return score_on_test(result, data)
+    scored = score_on_test(result, data)
+    return replace(scored, wall_time_s=earlier_s + time.perf_counter() - started)
 
 
 # --- MLflow layout --------------------------------------------------------------------------
@@ -382,14 +400,13 @@ def execute_runs(
         def submit(spec: RunSpec) -> None:
             run_id = _open_child(tracker, parent, spec, existing.get(spec.key))
             checkpoint = RunCheckpoint.of(pipeline.storage, spec)
-            state = checkpoint.load()
-            if state is not None:
-                tracker.set_tags(run_id, {RESUMED_TAG: str(state["epoch"])})
-                bar.console.print(
-                    f"[bold]{spec.key}[/] continues after epoch {state['epoch']}", highlight=False
-                )
+            saved = checkpoint.load()
+            if saved is not None:
+                epoch = saved.state["epoch"]
+                tracker.set_tags(run_id, {RESUMED_TAG: str(epoch)})
+                bar.console.print(f"[bold]{spec.key}[/] continues after epoch {epoch}")
             threads = max(1, int(cpu))
-            ref = task.remote(spec.config, data_ref, threads, checkpoint, state)
+            ref = task.remote(spec.config, data_ref, threads, checkpoint, saved)
             in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
 
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
