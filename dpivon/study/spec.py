@@ -266,12 +266,19 @@ def _check_budgets_before_sweeps(pipeline: BenchmarkPipeline, where: str) -> Non
         for eps in pipeline.method_epsilons(method):
             source = f"{where}: method {method.name} at epsilon {eps:g}"
             keys = {**pipeline.base_config(method, eps, pipeline.seeds[0]), **fixed}
-            config = parse_config(keys, source=source)
-            if config.is_private:
-                try:
-                    check_plan_reachable(config)
-                except DpivonError as err:
-                    raise DpivonError(f"invalid {source}: {err}") from None
+            _checked_config(keys, source)
+
+
+def _checked_config(keys: dict[str, Any], source: str) -> TrainConfig:
+    """The run configuration of ``keys``; a private one whose budget no run can meet is
+    refused, named by ``source``."""
+    config = parse_config(keys, source=source)
+    if config.is_private:
+        try:
+            check_plan_reachable(config)
+        except DpivonError as err:
+            raise DpivonError(f"invalid {source}: {err}") from None
+    return config
 
 
 def load_benchmark(path: str | Path) -> BenchmarkPipeline:
@@ -298,17 +305,12 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                     **method.train,
                 }
                 source = f"{where}: method {method.name} at epsilon {eps:g}"
-                config = parse_config(keys, source=source)
+                config = _checked_config(keys, source)
                 if config.training.batch_size > pipeline.data.train_size:
                     raise DpivonError(
                         f"invalid {source}: batch_size {config.training.batch_size} exceeds the "
                         f"{pipeline.data.train_size} training images; lower it"
                     )
-                if config.is_private:
-                    try:
-                        check_plan_reachable(config)
-                    except DpivonError as err:
-                        raise DpivonError(f"invalid {source}: {err}") from None
                 runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
     _check_equal_budgets(budgets, where)
     methods, seeds = pipeline.method_names, pipeline.seeds
