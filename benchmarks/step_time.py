@@ -12,9 +12,9 @@ Peak memory is the most tensor memory one step holds at once beyond what existed
 ``torch.cuda.max_memory_allocated`` minus the allocation before the step; on CPU the
 running sum of torch.profiler's allocation and free events (the RSS of a process holding
 many configurations says little, and tracemalloc does not see torch's allocations). The
-process runs with the settings every dpivon entry point applies (`dpivon.process`: glibc
-keeps freed memory for reuse), so the figures are those users get, and no configuration's
-timing depends on the others'.
+process runs with the settings every dpivon entry point applies (`dpivon.process`: restarted
+on jemalloc, which keeps freed memory for reuse), so the figures are those users get, and no
+configuration's timing depends on the others'.
 
 One epoch end to end (``--epoch-dataset``): `dpivon.training.train` for one epoch,
 including the data loading and the validation and test evaluation (BMA for the IVON
