@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import queue
 import re
 import time
 from pathlib import Path
@@ -39,7 +40,13 @@ from dpivon.study.benchmark_report import build_report, verdict_lines, write_rep
 from dpivon.study.layout import KEY_TAG, STATUS_TAG
 from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.checkpoints import save_checkpoint
-from dpivon.training import NOT_COVERED_METRICS, load_data, released_metrics, train
+from dpivon.training import (
+    NOT_COVERED_METRICS,
+    TrainResult,
+    load_data,
+    released_metrics,
+    train,
+)
 
 runner = CliRunner()
 
@@ -219,20 +226,16 @@ def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None
     assert checkpoint.load().state["epoch"] == 1
 
 
-def resumed(monkeypatch, config, data, checkpoint, epochs_trained: list[int]):
-    """run_one continued from ``checkpoint``, recording the epochs it trains."""
-    real_train = train
-
-    def recording_train(*args, on_epoch_end, **kwargs):
-        def record(report):
-            epochs_trained.append(report.epoch)
-            on_epoch_end(report)
-
-        return real_train(*args, on_epoch_end=record, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr("dpivon.study.benchmark.train", recording_train)
-        return run_one(config, data, 1, checkpoint, checkpoint.load())
+def resumed(config, data, checkpoint) -> tuple[TrainResult, list[int]]:
+    """run_one continued from ``checkpoint``, and the epochs it reported as done."""
+    done = queue.SimpleQueue()
+    result = run_one(config, data, 1, checkpoint, checkpoint.load(), done)
+    reported = []
+    while not done.empty():
+        name, epoch = done.get()
+        assert name == checkpoint.name
+        reported.append(epoch)
+    return result, reported
 
 
 def parameters(result) -> torch.Tensor:
@@ -250,9 +253,8 @@ def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
     whole = run_one(config, data, 1, RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
     checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "b"), spec)
     interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
-    epochs: list[int] = []
     started = time.perf_counter()
-    continued = resumed(monkeypatch, config, data, checkpoint, epochs)
+    continued, epochs = resumed(config, data, checkpoint)
     # the run's wall time counts the interrupted attempt too
     assert continued.wall_time_s > time.perf_counter() - started
     assert epochs == [2, 3]
@@ -284,9 +286,9 @@ def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
     assert "key" not in saved.state["rng"]["randomness"]
     assert all(name not in m for m in saved.state["history"] for name in NOT_COVERED_METRICS)
 
-    first = resumed(monkeypatch, config, data, checkpoint, [])
+    first, _ = resumed(config, data, checkpoint)
     checkpoint.save(saved)  # the same file again, as a second reader of it would resume
-    second = resumed(monkeypatch, config, data, checkpoint, [])
+    second, _ = resumed(config, data, checkpoint)
     assert not torch.equal(parameters(first), parameters(second))
     assert first.epsilon_spent == pytest.approx(second.epsilon_spent)
 

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import ray
 import torch
+from ray.util.queue import Queue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -190,9 +191,12 @@ def run_one(
     threads: int,
     checkpoint: RunCheckpoint,
     resume: SavedEpoch | None = None,
+    epochs_done: Any = None,
 ) -> TrainResult:
     """Body of the Ray task: train (from ``resume``, checkpointing every epoch), test,
-    temperature-scale; the model returns on the CPU, its wall time summed over attempts."""
+    temperature-scale; the model returns on the CPU, its wall time summed over attempts.
+    After each checkpoint, ``(checkpoint name, epoch)`` goes to ``epochs_done`` (a queue:
+    the driver's progress line)."""
     quiet_known_output()  # a Ray worker is an entry point of its own
     configure_process()
     torch.set_num_threads(max(1, threads))
@@ -203,6 +207,8 @@ def run_one(
     def save(report: EpochReport) -> None:
         seconds = earlier_s + time.perf_counter() - started
         checkpoint.save(SavedEpoch(releasable_state(config, report.checkpoint()), seconds))
+        if epochs_done is not None:
+            epochs_done.put_nowait((checkpoint.name, report.epoch))
 
     result = train(
         config,
@@ -393,7 +399,17 @@ def execute_runs(
     data_ref = ray.put(data)
     queue = list(todo)
     in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, RunCheckpoint, float]] = {}
+    epochs: dict[str, int] = {}  # checkpoint name -> the run's last finished epoch
+    epochs_done = Queue(actor_options={"num_cpus": 0})  # no CPU: never delays a run
     total = len(pipeline.runs)
+
+    def running_status() -> str:
+        running = ", ".join(
+            f"{spec.method} {epochs.get(ck.name, 0)}/{spec.config.training.epochs}"
+            for spec, _, ck, _ in in_flight.values()
+        )
+        return f"{len(in_flight)} running ({running}), {len(outcome.failed)} failed"
+
     with _progress() as bar:
         progress = bar.add_task(pipeline.name, total=total, completed=total - len(todo), status="")
 
@@ -402,11 +418,11 @@ def execute_runs(
             checkpoint = RunCheckpoint.of(pipeline.storage, spec)
             saved = checkpoint.load()
             if saved is not None:
-                epoch = saved.state["epoch"]
+                epochs[checkpoint.name] = epoch = saved.state["epoch"]
                 tracker.set_tags(run_id, {RESUMED_TAG: str(epoch)})
                 bar.console.print(f"[bold]{spec.key}[/] continues after epoch {epoch}")
             threads = max(1, int(cpu))
-            ref = task.remote(spec.config, data_ref, threads, checkpoint, saved)
+            ref = task.remote(spec.config, data_ref, threads, checkpoint, saved, epochs_done)
             in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
 
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
@@ -425,20 +441,15 @@ def execute_runs(
                 _fail(tracker, run_id, message, status)
                 outcome.failed[spec.key] = message
                 bar.console.print(f"[bold]{spec.key}[/] [red]failed[/]: {message}", highlight=False)
-            bar.update(
-                progress,
-                advance=1,
-                status=f"{len(in_flight)} running, {len(outcome.failed)} failed",
-            )
+            bar.update(progress, advance=1, status=running_status())
 
         try:
             while queue or in_flight:
                 while queue and len(in_flight) < pipeline.concurrency:
                     submit(queue.pop(0))
-                bar.update(
-                    progress, status=f"{len(in_flight)} running, {len(outcome.failed)} failed"
-                )
+                bar.update(progress, status=running_status())
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
+                epochs.update(epochs_done.get_nowait_batch(epochs_done.size()))
                 for ref in ready:
                     finish(ref)
                 now = time.monotonic()
@@ -455,6 +466,8 @@ def execute_runs(
                     status="KILLED",
                 )
             raise
+        finally:
+            epochs_done.shutdown()
 
 
 def report_benchmark(
