@@ -134,7 +134,8 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
 
 @dataclass(frozen=True)
 class SavedEpoch:
-    """A run's releasable state after an epoch, and the seconds its attempts took so far."""
+    """A run's releasable state after an epoch, and the seconds its attempts spent to reach
+    it (the part of an interrupted epoch is lost, and not counted)."""
 
     state: dict
     seconds: float
