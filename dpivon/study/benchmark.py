@@ -409,7 +409,8 @@ def execute_runs(
             f"{spec.method} {epochs.get(ck.name, 0)}/{spec.config.training.epochs}"
             for spec, _, ck, _ in in_flight.values()
         )
-        return f"{len(in_flight)} running ({running}), {len(outcome.failed)} failed"
+        running = f" ({running})" if running else ""
+        return f"{len(in_flight)} running{running}, {len(outcome.failed)} failed"
 
     with _progress() as bar:
         progress = bar.add_task(pipeline.name, total=total, completed=total - len(todo), status="")
@@ -450,7 +451,10 @@ def execute_runs(
                     submit(queue.pop(0))
                 bar.update(progress, status=running_status())
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
-                epochs.update(epochs_done.get_nowait_batch(epochs_done.size()))
+                for name, epoch in epochs_done.get_nowait_batch(epochs_done.size()):
+                    epochs[name] = epoch
+                    if not console.is_terminal:  # no live bar in a log file: a line instead
+                        console.print(running_status(), highlight=False)
                 for ref in ready:
                     finish(ref)
                 now = time.monotonic()
