@@ -478,6 +478,7 @@ def benchmark(
 ) -> None:
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""
+    from dpivon.orchestration.interrupts import Interrupted
     from dpivon.study.benchmark import run_benchmark
     from dpivon.study.benchmark_report import results_rows
     from dpivon.study.spec import load_benchmark
@@ -485,13 +486,21 @@ def benchmark(
     if resume and report_only:
         raise DpivonError("--resume trains and --report-only does not: pass one of them")
     loaded = load_benchmark(pipeline)
-    outcome = run_benchmark(
-        loaded,
-        address=address,
-        tracking_uri=tracking_uri,
-        resume=resume,
-        report_only=report_only,
-    )
+    try:
+        outcome = run_benchmark(
+            loaded,
+            address=address,
+            tracking_uri=tracking_uri,
+            resume=resume,
+            report_only=report_only,
+        )
+    except Interrupted as stop:
+        console.print(
+            f"benchmark {loaded.name!r} {stop}; its runs keep their last epoch: continue "
+            f"with `dpivon benchmark {pipeline} --resume`",
+            highlight=False,
+        )
+        raise typer.Exit(stop.exit_code) from None
     header, rows = results_rows(outcome.report.table)
     table = Table(title=f"benchmark {loaded.name}: mean ± std over seeds")
     for column in header:

@@ -9,6 +9,9 @@ import json
 import math
 import queue
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -618,3 +621,49 @@ def test_report_only_errors_are_one_line(tmp_path, extra, message):
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not (tmp_path / "runs" / "never").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(tmp_path):
+    """SIGTERM (a container stop, `kill`) stops the driver as Ctrl-C does: exit 143, the
+    parent and the run in flight KILLED, the run's checkpoint kept; --resume continues
+    that run after its checkpointed epoch (not from the start) and removes the file."""
+    path = write_benchmark(
+        tmp_path,
+        name="stopped",
+        data={"dataset": "synthetic", "synthetic_size": 1500},
+        epochs=6,
+        epsilons=[8],
+        methods=[{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}],
+        concurrency=1,
+    )
+    pipeline = load_benchmark(path)
+    command = [sys.executable, "-m", "dpivon.cli", "benchmark", path]
+    folder = Path(pipeline.storage.path) / "checkpoints"
+    driver = subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 400
+    while not any(folder.glob("*.pt")):  # the first run has finished an epoch
+        assert driver.poll() is None and time.time() < deadline, driver.stderr.read()[-3000:]
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGTERM)
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 143, stderr.decode()[-3000:]
+    assert "interrupted by SIGTERM" in stderr.decode() and "--resume" in stderr.decode()
+    client, (parent,), children = runs_of(tmp_path, pipeline.experiment)
+    assert parent.info.status == "KILLED"
+    (stopped,) = [c for c in children if c.info.status != "FINISHED"]
+    assert stopped.info.status == "KILLED"
+    checkpoint = RunCheckpoint.of(pipeline.storage, next(
+        r for r in pipeline.runs if r.key == stopped.data.tags[KEY_TAG]
+    ))
+    kept = checkpoint.load().state["epoch"]
+    assert 1 <= kept < 6
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    assert f"continues after epoch {kept}" in " ".join(resumed.stderr.decode().split())
+    after = client.get_run(stopped.info.run_id)
+    assert after.info.status == "FINISHED" and after.data.tags[RESUMED_TAG] == str(kept)
+    history = client.get_metric_history(stopped.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # each epoch logged once
+    assert not any(folder.glob("*.pt"))

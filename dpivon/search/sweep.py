@@ -40,6 +40,7 @@ from rich.console import Console
 from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
+from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.run_file import Resources
@@ -138,17 +139,9 @@ def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[Swe
 # --- interruptions --------------------------------------------------------------------------
 
 
-class SweepInterrupted(KeyboardInterrupt):
+class SweepInterrupted(Interrupted):
     """SIGINT or SIGTERM stopped the sweep: its trials keep their checkpoints, its parent
     run is KILLED, ``--resume`` finishes it. A KeyboardInterrupt, so runs end KILLED."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(f"interrupted by {signal.Signals(signal_number).name}")
-        self.signal_number = signal_number
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signal_number  # the shell's convention: 130 SIGINT, 143 SIGTERM
 
 
 class _StopOnSignals:
@@ -174,7 +167,7 @@ class _StopOnSignals:
             self._usr1 = signal.getsignal(signal.SIGUSR1)
             self._previous = {
                 number: signal.signal(number, self._handle)
-                for number in (signal.SIGINT, signal.SIGTERM)
+                for number in STOP_SIGNALS
             }
             # Tune would take SIGINT over during fit and swallow it; this handler decides.
             self._tune_sigint = os.environ.get(_TUNE_SIGINT_ENV)

@@ -18,6 +18,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
@@ -41,6 +42,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate_as_configured
 from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
+from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.state_file import RunState
@@ -208,8 +210,9 @@ def run_one(
     def save(report: EpochReport) -> None:
         seconds = earlier_s + time.perf_counter() - started
         checkpoint.save(SavedEpoch(releasable_state(config, report.checkpoint()), seconds))
-        if epochs_done is not None:
-            epochs_done.put_nowait((checkpoint.name, report.epoch))
+        if epochs_done is not None:  # progress only: a lost queue fails no run
+            with contextlib.suppress(ray.exceptions.RayError):
+                epochs_done.put_nowait((checkpoint.name, report.epoch))
 
     result = train(
         config,
@@ -550,10 +553,13 @@ def run_benchmark(
     try:
         if todo:
             init_ray(address)
-            execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
-        outcome.report, outcome.report_files = report_benchmark(
-            pipeline, tracker, parent, outcome.failed
-        )
+        # after Ray's start, whose own SIGTERM handler would abort the driver
+        with signals_interrupt():
+            if todo:
+                execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
+            outcome.report, outcome.report_files = report_benchmark(
+                pipeline, tracker, parent, outcome.failed
+            )
     except KeyboardInterrupt:
         tracker.end_run(parent, "KILLED")
         raise
