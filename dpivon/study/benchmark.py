@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import ray
 import torch
@@ -134,6 +134,12 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
     return replace(result, test=test.metrics, test_reliability=diagram, extra=extra)
 
 
+class EpochSink(Protocol):
+    """Where a run reports its finished epochs: a Ray queue (or any queue)."""
+
+    def put_nowait(self, item: tuple[str, int]) -> None: ...
+
+
 @dataclass(frozen=True)
 class SavedEpoch:
     """A run's releasable state after an epoch, and the seconds its attempts spent to reach
@@ -194,7 +200,7 @@ def run_one(
     threads: int,
     checkpoint: RunCheckpoint,
     resume: SavedEpoch | None = None,
-    epochs_done: Any = None,
+    epochs_done: EpochSink | None = None,
 ) -> TrainResult:
     """Body of the Ray task: train (from ``resume``, checkpointing every epoch), test,
     temperature-scale; the model returns on the CPU, its wall time summed over attempts.
