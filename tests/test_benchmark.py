@@ -133,6 +133,10 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     assert lines[0].startswith("epsilon 1:") and "**alpha**" in lines[0]
     assert "10.0 points above beta" in lines[0] and "beyond" in lines[0]
     assert lines[1].startswith("epsilon 8:") and "within the seeds' spread" in lines[1]
+    # one seed per method (a benchmark under way): no spread to judge the gap against
+    one_seed = aggregate([r for r in hand_records() if r.replicate == 0])
+    assert compare(one_seed, "test_accuracy", 1.0).beyond_spread is None
+    assert "one seed: the spread is unknown" in verdict_lines(one_seed)[0]
 
 
 def test_report_has_the_table_and_a_self_contained_html(tmp_path):

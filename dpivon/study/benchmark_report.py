@@ -266,9 +266,13 @@ def _comparison_text(
     best = f"**{c.best}** ({mean_std(c.best_mean, c.best_std, scale, decimals)}{unit})"
     if c.second is None:
         return f"{best}, the only method"
-    spread = {True: "beyond", False: "within", None: "spread unknown:"}[c.beyond_spread]
+    spread = {
+        True: "beyond the seeds' spread",
+        False: "within the seeds' spread",
+        None: "one seed: the spread is unknown",
+    }[c.beyond_spread]
     second = f"{c.second} ({mean_std(c.second_mean, c.second_std, scale, decimals)}{unit})"
-    return f"{best}, {c.gap * scale:.{decimals}f} {gap_words} {second}, {spread} the seeds' spread"
+    return f"{best}, {c.gap * scale:.{decimals}f} {gap_words} {second}, {spread}"
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
