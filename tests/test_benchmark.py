@@ -128,11 +128,19 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     acc8 = compare(table, "test_accuracy", 8.0)
     assert acc8.best == "beta" and acc8.beyond_spread is False
     assert compare(table, "test_ece", 1.0).best == "beta"  # lower is better
+    # the last epoch's diagnostics: alpha's h ends at 0.40, 0.41, 0.42; beta logs none
+    assert row["last_hess_median_mean"] == pytest.approx(0.41)
+    assert row["last_hess_median_std"] == pytest.approx(0.01)
+    assert row["last_projected_fraction_mean"] == pytest.approx(0.67)
+    assert table.iloc[3][["last_projected_fraction_mean", "last_hess_median_std"]].isna().all()
     lines = verdict_lines(table)
-    assert len(lines) == 2
+    assert len(lines) == 4  # per epsilon: the metrics, then the collapse
     assert lines[0].startswith("epsilon 1:") and "**alpha**" in lines[0]
     assert "10.0 points above beta" in lines[0] and "beyond" in lines[0]
-    assert lines[1].startswith("epsilon 8:") and "within the seeds' spread" in lines[1]
+    # NLL = 2 - accuracy: alpha's is lower at eps 1
+    assert "lowest mean test NLL **alpha** (1.680 ± 0.020), 0.100 below beta" in lines[0]
+    assert lines[1].startswith("epsilon 1: least curvature collapse") and "**alpha**" in lines[1]
+    assert lines[2].startswith("epsilon 8:") and "within the seeds' spread" in lines[2]
     # one seed per method (a benchmark under way): no spread to judge the gap against
     one_seed = aggregate([r for r in hand_records() if r.replicate == 0])
     assert compare(one_seed, "test_accuracy", 1.0).beyond_spread is None
@@ -165,8 +173,12 @@ def test_report_has_the_table_and_a_self_contained_html(tmp_path):
     assert not re.search(r'(src|href)="(?!data:)', page)  # no external asset
     assert "<td>52.0 ± 3.5</td>" in page and "<strong>alpha</strong>" in page
     assert "(beta) are not drawn" in markdown  # beta logged no diagnostics
+    # ... and has no row in the last epoch's diagnostics table
+    assert "| method | eps | seeds | projected fraction | clamped-noise share of h |" in markdown
+    assert "| alpha | 8 | 3 | 0.670 ± 0.000 | - | 0.410 ± 0.010 | 0.0120 ± 0.0000 |" in markdown
+    assert "| beta | 8 | 3 | - |" not in markdown
     note = report.note()
-    assert report.verdict[1] in note and "| beta | 1 | 3 | 22.0 ± 2.0 |" in note
+    assert report.verdict[2] in note and "| beta | 1 | 3 | 22.0 ± 2.0 |" in note
 
     files = write_report(report, tmp_path)
     assert (tmp_path / "report.md").read_text() == markdown

@@ -44,6 +44,20 @@ DIAGNOSTIC_KEYS = (
     "grad_snr_median",
     "curvature_update_share",
 )
+# The diagnostics summarised at the last epoch beside the metrics (column ``last_<key>``;
+# NaN for a method that logs none), with the direction in which each improves: the
+# fraction of v_hat projected to zero and the clamped-noise share of h measure the collapse.
+LAST_EPOCH_DIAGNOSTICS: dict[str, str] = {
+    "projected_fraction": "min",
+    "clamped_noise_share_median": "min",
+    "hess_median": "none",
+    "posterior_std_median": "none",
+}
+# Every per-run column the aggregation summarises, with its direction.
+SUMMARISED: dict[str, str] = {
+    **AGGREGATED,
+    **{f"last_{key}": direction for key, direction in LAST_EPOCH_DIAGNOSTICS.items()},
+}
 
 
 @dataclass
@@ -107,9 +121,14 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
     return records
 
 
+def _last_value(values: Sequence[float] | None) -> float:
+    """The last epoch's value of a logged series (NaN when the run logged none)."""
+    return float(values[-1]) if values else math.nan
+
+
 def records_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
-    """One row per run: method, optimizer, epsilon, replicate, training images and the
-    aggregated metrics."""
+    """One row per run: method, optimizer, epsilon, replicate, training images, the
+    aggregated metrics and the last epoch's diagnostics."""
     rows = [
         {
             "method": r.method,
@@ -118,10 +137,11 @@ def records_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
             "replicate": r.replicate,
             "train_images": r.train_images,
             **{k: r.metrics.get(k, math.nan) for k in AGGREGATED},
+            **{f"last_{k}": _last_value(r.history.get(k)) for k in LAST_EPOCH_DIAGNOSTICS},
         }
         for r in records
     ]
-    columns = ["method", "optimizer", "epsilon", "replicate", "train_images", *AGGREGATED]
+    columns = ["method", "optimizer", "epsilon", "replicate", "train_images", *SUMMARISED]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -129,7 +149,7 @@ def aggregate(
     records: Sequence[RunRecord], method_order: Sequence[str] | None = None
 ) -> pd.DataFrame:
     """Per (method, epsilon): ``n`` seeds, the training images (the seeds share the split)
-    and ``<metric>_mean`` / ``<metric>_std``.
+    and ``<column>_mean`` / ``<column>_std`` for each column of SUMMARISED.
 
     The std is the sample standard deviation over seeds (NaN with one seed). Rows follow
     ``method_order`` (else first appearance), then epsilon ascending (inf last).
@@ -145,7 +165,7 @@ def aggregate(
             "n": len(group),
             "train_images": group["train_images"].iloc[0],
         }
-        for metric in AGGREGATED:
+        for metric in SUMMARISED:
             values = group[metric].to_numpy(dtype=np.float64)
             row[f"{metric}_mean"] = float(np.mean(values))
             spread = len(values) > 1 and np.isfinite(values).all()
@@ -186,12 +206,12 @@ class Comparison:
 
 
 def compare(table: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
-    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from AGGREGATED)."""
+    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from SUMMARISED)."""
     rows = table[(table["epsilon"] == epsilon) & table[f"{metric}_mean"].notna()]
     if rows.empty:
         return None
     ranked = rows.sort_values(
-        f"{metric}_mean", ascending=AGGREGATED[metric] == "min", kind="mergesort"
+        f"{metric}_mean", ascending=SUMMARISED[metric] == "min", kind="mergesort"
     )
     best = ranked.iloc[0]
     second = ranked.iloc[1] if len(ranked) > 1 else None

@@ -2,13 +2,14 @@
 
 Both render the same blocks (headings, paragraphs, tables, figures), so they never
 disagree; the HTML embeds every figure as a base64 PNG and needs no other file, the
-Markdown links the PNGs written beside it. The results table and the two-line verdict are
+Markdown links the PNGs written beside it. The results table and the verdict are
 also what the parent MLflow run's description (``mlflow.note.content``) shows.
 
 Its figures (`dpivon.study.figures`): metrics versus epsilon, reliability diagrams at the
 smallest and largest finite epsilon, the curvature-collapse diagnostics over training per
-epsilon (whatever the runs logged; methods without them are left out of those panels), and
-the Pareto fronts of the sweeps the tuned methods came from.
+epsilon (whatever the runs logged; methods without them are left out of those panels, and
+the last epoch's values are tabled), and the Pareto fronts of the sweeps the tuned methods
+came from.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ _COLUMNS = (
     ("temperature", "T", 1.0, 2),
     ("epsilon_spent", "eps spent", 1.0, 2),
     ("wall_time_s", "wall s", 1.0, 0),
+)
+# (column, header, scale, decimals) of the last epoch's curvature diagnostics
+_DIAGNOSTIC_COLUMNS = (
+    ("last_projected_fraction", "projected fraction", 1.0, 3),
+    ("last_clamped_noise_share_median", "clamped-noise share of h", 1.0, 3),
+    ("last_hess_median", "median h", 1.0, 3),
+    ("last_posterior_std_median", "median posterior std", 1.0, 4),
+)
+DIAGNOSTICS_NOTE = (
+    "At the last epoch, mean ± std over seeds (`dpivon.optim.ivon.DPIVON` documents them): "
+    "projected fraction, the epoch's mean share of coordinates whose noise-corrected v_hat "
+    "was negative and projected to zero (the curvature collapse); clamped-noise share of h, "
+    "the median over coordinates of the share of h that the clamped noise alone would give "
+    "(near 1: h is no larger than noise makes it); median h and median posterior std "
+    "s = 1/sqrt(ess (h + delta)) over all coordinates."
 )
 _HYPER_PARAMETERS = (
     "lr",
@@ -240,9 +256,11 @@ def mean_std(mean: float, std: float, scale: float = 1.0, decimals: int = 3) -> 
     return text if math.isnan(std) else f"{text} ± {std * scale:.{decimals}f}"
 
 
-def results_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the results table (mean ± std over seeds)."""
-    header = ["method", "eps", "seeds", *(h for _, h, _, _ in _COLUMNS)]
+def results_rows(
+    table: pd.DataFrame, columns: Sequence[tuple[str, str, float, int]] = _COLUMNS
+) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of a table of ``columns`` (mean ± std over seeds)."""
+    header = ["method", "eps", "seeds", *(h for _, h, _, _ in columns)]
     rows = [
         [
             str(row["method"]),
@@ -250,7 +268,7 @@ def results_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
             str(int(row["n"])),
             *(
                 mean_std(row[f"{c}_mean"], row[f"{c}_std"], scale, decimals)
-                for c, _, scale, decimals in _COLUMNS
+                for c, _, scale, decimals in columns
             ),
         ]
         for _, row in table.iterrows()
@@ -276,18 +294,28 @@ def _comparison_text(
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
-    """One line per extreme epsilon: who has the best mean accuracy and ECE, and whether
-    the margin over the runner-up exceeds the seeds' spread (see SPREAD_RULE)."""
+    """Per extreme epsilon: who has the best mean accuracy, NLL and ECE, and whether the
+    margin over the runner-up exceeds the seeds' spread (see SPREAD_RULE); then, where runs
+    logged curvature diagnostics, which method collapses least at the last epoch."""
     lines = []
     for eps in verdict_epsilons(table):
         accuracy = _comparison_text(
             compare(table, "test_accuracy", eps), 100.0, 1, " %", "points above"
         )
+        nll = _comparison_text(compare(table, "test_nll", eps), 1.0, 3, "", "below")
         ece = _comparison_text(compare(table, "test_ece", eps), 1.0, 3, "", "below")
         lines.append(
             f"epsilon {eps:g}: best mean test accuracy {accuracy}; "
-            f"lowest mean test ECE {ece}."
+            f"lowest mean test NLL {nll}; lowest mean test ECE {ece}."
         )
+        collapse = _comparison_text(
+            compare(table, "last_projected_fraction", eps), 1.0, 3, "", "below"
+        )
+        if collapse is not None:
+            lines.append(
+                f"epsilon {eps:g}: least curvature collapse (lowest fraction of v_hat "
+                f"projected to zero at the last epoch) {collapse}."
+            )
     return lines
 
 
@@ -354,6 +382,12 @@ def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequ
             Paragraph("No run logged curvature diagnostics (no IVON-family method).")
         )
         return
+    diagnosed = report.table[report.table["last_projected_fraction_mean"].notna()]
+    if not diagnosed.empty:
+        report.blocks += [
+            TableBlock(*results_rows(diagnosed, _DIAGNOSTIC_COLUMNS)),
+            Paragraph(DIAGNOSTICS_NOTE),
+        ]
     report.figures["diagnostics.png"] = png_bytes(figure)
     with_diagnostics = {r.method for r in records if r.history}
     report.blocks.append(
