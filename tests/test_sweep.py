@@ -406,7 +406,7 @@ def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
         g1 != g2 and s1 < e2 and s2 < e1 for g1, s1, e1 in spans for g2, s2, e2 in spans
     ), f"no two groups overlapped: {spans}"
     # Every group's Optuna study saw its own trials, and only those.
-    searcher = GroupSearcher({}, {})
+    searcher = GroupSearcher({}, {}, dict)  # restore_from_dir brings its own reader
     searcher.restore_from_dir(str(sweep_folder(pipeline) / TUNE_EXPERIMENT))
     assert searcher.group_of == {
         c.data.tags["dpivon.trial_id"]: c.data.tags["dpivon.group"] for c in children

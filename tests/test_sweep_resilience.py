@@ -3,6 +3,8 @@ Ray cluster; bad pipelines and clusters that can never run them."""
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import signal
 import socket
@@ -13,14 +15,23 @@ from collections.abc import Callable
 
 import pytest
 import ray
+from ray import tune
 from ray.cluster_utils import Cluster
+from ray.tune.experiment import Trial
+from ray.tune.search import Searcher
+from ray.tune.search.optuna import OptunaSearch
 from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
 from dpivon.orchestration.ray_cluster import RAY_CONNECT_TIMEOUT_S
+from dpivon.search.callbacks import MlflowTrialLogger
+from dpivon.search.groups import GROUP_KEY, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
+from dpivon.search.results import GROUP_TAG, STATUS_TAG, TRIAL_TAG, recorded_outcomes
 from dpivon.search.sweep import run_sweep
+from dpivon.search.trial import COMPLETE, DIVERGED, TrialAlreadyFailed
+from dpivon.tracking.client import Tracker
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
 DP_SGD = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
@@ -34,35 +45,33 @@ def _sweep_process(pipeline_path, *flags: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str) -> None:
+def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str,
+                poll_s: float = 0.5) -> None:
     deadline = time.time() + 400
     while time.time() < deadline:
-        time.sleep(0.5)
+        time.sleep(poll_s)
         if reached():
             return
         assert driver.poll() is None, driver.stderr.read().decode()[-3000:]
     pytest.fail(f"the sweep did not reach {what} in time")
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
+def _kill_then_resume(tmp_path, killed_when: Callable[[list], bool], what: str) -> None:
+    """SIGKILL a new sweep's driver once its child runs satisfy ``killed_when``, resume it,
+    and check that the sweep trained its 4 trials and no more: each ended FINISHED once, no
+    trial finished before the kill was trained or written again, and a trial started too
+    shortly before the kill for Tune's saved state to hold it ended FAILED as lost."""
     path = write_pipeline(tmp_path, name="killed", concurrency=1, scheduler={"type": "none"})
     pipeline = load_pipeline(path)
     driver = _sweep_process(path)
-
-    def one_finished_and_one_under_way() -> bool:
-        # Under way: it has reported an epoch, so Tune's saved state (every second) has it.
-        _, _, children = runs_of(tmp_path, pipeline.experiment)
-        return any(c.info.status == "FINISHED" for c in children) and any(
-            c.info.status == "RUNNING" and "val_accuracy" in c.data.metrics for c in children
-        )
-
-    _wait_until(driver, one_finished_and_one_under_way, "a finished and a running trial")
+    _wait_until(driver, lambda: killed_when(runs_of(tmp_path, pipeline.experiment)[2]), what,
+                poll_s=0.05)
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     _, _, before = runs_of(tmp_path, pipeline.experiment)
-    finished_before = {c.info.run_id: c.info.start_time for c in before
+    finished_before = {c.info.run_id: (c.info.start_time, c.data.tags) for c in before
                        if c.info.status == "FINISHED"}
+    open_before = {c.info.run_id for c in before if c.info.status == "RUNNING"}
     assert finished_before, "no trial had finished before the kill"
 
     resumed = _sweep_process(path, "--resume")
@@ -71,13 +80,107 @@ def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
     client, (parent,), after = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     trial_ids = [c.data.tags["dpivon.trial_id"] for c in after]
-    assert len(trial_ids) == len(set(trial_ids)) == 4  # no duplicate runs
+    assert len(trial_ids) == len(set(trial_ids)) == 4  # no duplicate run, no extra trial
     for child in after:
-        assert child.info.status == "FINISHED"
+        error = child.data.tags.get("error", "")
+        if error.startswith("lost with the driver"):
+            assert child.info.run_id in open_before
+            assert child.info.status == "FAILED"
+            continue
+        assert child.info.status == "FINISHED", error
         epochs = client.get_metric_history(child.info.run_id, "val_accuracy")
         if child.info.run_id in finished_before:  # not run again: one record per epoch
-            assert child.info.start_time == finished_before[child.info.run_id]
+            start_time, tags = finished_before[child.info.run_id]
+            assert child.info.start_time == start_time
+            # its outcome, checkpoint and config as recorded (the report adds tags)
+            assert {k: child.data.tags.get(k) for k in tags} == tags
             assert [m.step for m in epochs] == list(range(1, pipeline.epochs + 1))
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
+    def one_finished_and_one_under_way(children: list) -> bool:
+        # Under way: it has reported an epoch, so Tune's saved state (every second) has it.
+        return any(c.info.status == "FINISHED" for c in children) and any(
+            c.info.status == "RUNNING" and "val_accuracy" in c.data.metrics for c in children
+        )
+
+    _kill_then_resume(tmp_path, one_finished_and_one_under_way,
+                      "a finished and a running trial")
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_as_a_trial_ended_does_not_train_it_again(tmp_path):
+    # Killed within 50 ms of a trial's run turning FINISHED, Tune's saved state (written a
+    # moment behind MLflow) mostly still has the trial running, with its final checkpoint
+    # (a model, no resume state): the resume must repeat its recorded outcome instead of
+    # training it again from there, or failing to.
+    _kill_then_resume(tmp_path, lambda children: any(c.info.status == "FINISHED"
+                                                     for c in children),
+                      "a finished trial")
+
+
+def _record_trials(tracker: Tracker, parent: str, ended: dict[str, tuple]) -> None:
+    """Child runs of ``parent`` as a sweep's logger leaves them: trial id ->
+    (run status, outcome tag, last metrics)."""
+    for trial_id, (status, outcome, metrics) in ended.items():
+        run = tracker.start_run(trial_id, parent_run_id=parent,
+                                tags={TRIAL_TAG: trial_id, STATUS_TAG: outcome, GROUP_TAG: "g"})
+        tracker.log_metrics(run, metrics, step=2)
+        if status != "RUNNING":
+            tracker.end_run(run, status)
+
+
+def test_a_resume_repeats_only_outcomes_mlflow_holds_and_writes_nothing_over_them(tmp_path):
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "resume-record")
+    parent = tracker.start_run("sweep")
+    _record_trials(tracker, parent, {
+        "done": ("FINISHED", "completed", {"val_accuracy": 0.5, COMPLETE: 1}),
+        "nan": ("FAILED", "diverged", {"val_accuracy": math.nan, DIVERGED: 1}),
+        "error": ("FAILED", "failed", {}),
+        "lost-driver": ("FAILED", "running", {"val_accuracy": 0.2}),  # closed, no outcome
+        "stopped": ("KILLED", "running", {"val_accuracy": 0.3}),  # Ctrl-C: resumes
+        "open": ("RUNNING", "running", {"val_accuracy": 0.4}),
+    })
+    recorded = recorded_outcomes(tracker, parent)
+    assert {k: o.failed for k, o in recorded.items()} == {"done": False, "nan": False,
+                                                          "error": True}
+    assert recorded["done"].result == {"val_accuracy": 0.5, COMPLETE: 1}
+    with pytest.raises(TrialAlreadyFailed):
+        recorded["error"].report_again()
+
+    # Tune restarts "done" from a state older than MLflow; then "stopped" resumes.
+    storage = load_pipeline(write_pipeline(tmp_path)).storage
+    logger = MlflowTrialLogger(tracker.tracking_uri, "resume-record", parent, "g", {}, storage)
+    runs = tracker.child_runs_by_tag(parent, TRIAL_TAG)
+    for trial_id in ("done", "stopped"):
+        trial = Trial("t", stub=True, trial_id=trial_id)
+        logger.on_trial_start(0, [], trial)
+        logger.on_trial_result(0, [], trial, {"val_accuracy": 0.9, "epoch": 3})
+        logger.on_trial_complete(0, [], trial)
+    after = tracker.child_runs_by_tag(parent, TRIAL_TAG)
+    done, stopped = after["done"], after["stopped"]
+    assert (done.info.status, done.data.metrics, done.data.tags) == (
+        runs["done"].info.status, runs["done"].data.metrics, runs["done"].data.tags)
+    assert stopped.info.status == "FINISHED"
+    assert [m.step for m in tracker.metric_history(stopped.info.run_id, "val_accuracy")] == [2, 3]
+
+
+def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tmp_path):
+    def study() -> OptunaSearch:
+        return OptunaSearch(space={"lr": tune.uniform(0.1, 1.0)}, metric="val_accuracy",
+                            mode="max")
+
+    # MLflow has "t1" and "t2"; the driver was lost before Tune saved "t2".
+    in_mlflow = functools.partial(dict, g={"t1", "t2"}, other={"x"})
+    searcher = GroupSearcher({"g": study()}, {"g": 3}, in_mlflow)
+    assert searcher.suggest("t1")[GROUP_KEY] == "g"
+    searcher.save(str(tmp_path / "searcher.pkl"))
+
+    restored = GroupSearcher({}, {}, dict)
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    assert restored.suggest("t3")[GROUP_KEY] == "g"  # the third and last trial of "g"
+    assert restored.suggest("t4") == Searcher.FINISHED
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,14 @@ from rich.console import Console
 
 from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage
-from dpivon.search.results import CHECKPOINT_TAG, STATUS_TAG, TRIAL_TAG, TrialStatus
+from dpivon.search.results import (
+    CHECKPOINT_TAG,
+    GROUP_TAG,
+    STATUS_TAG,
+    TRIAL_TAG,
+    TrialStatus,
+    outcome_recorded,
+)
 from dpivon.search.trial import (
     COMPLETE,
     DIVERGED,
@@ -62,6 +70,31 @@ _SKIPPED = {
 }
 
 
+def real_tracking_uri(saved_uri: str) -> str:
+    """The URI to reach MLflow from an object restored from the sweep's storage, which
+    holds it without its password (:data:`TRACKING_URI_ENV` has the real one)."""
+    if f":{REDACTED}@" in saved_uri:
+        return os.environ.get(TRACKING_URI_ENV, saved_uri)
+    return saved_uri
+
+
+@dataclass(frozen=True)
+class RecordedTrials:
+    """Reads the sweep's trial ids in MLflow, by group, for a restored driver. Pickled with
+    the Tune experiment: the URI is kept without its password."""
+
+    tracking_uri: str
+    experiment: str
+    parent_run_id: str
+
+    def __call__(self) -> dict[str, set[str]]:
+        tracker = Tracker(real_tracking_uri(self.tracking_uri), self.experiment)
+        by_group: dict[str, set[str]] = {}
+        for trial, run in tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG).items():
+            by_group.setdefault(run.data.tags.get(GROUP_TAG, ""), set()).add(trial)
+        return by_group
+
+
 class TrackingUnavailable(DpivonError):
     """The MLflow store stayed unreachable past the wait; the unwritten trial results are
     kept in the Tune experiment's state, and ``dpivon sweep --resume`` writes them."""
@@ -94,6 +127,7 @@ class MlflowTrialLogger(tune.Callback):
         self.storage = storage  # where Tune keeps the checkpoints: tagged as its URIs
         self._tracker: Tracker | None = None
         self.run_ids: dict[str, str] = {}  # Tune trial id -> MLflow run id
+        self.recorded: set[str] = set()  # trials whose outcome MLflow held at the resume
         self.started: set[str] = set()  # trials whose "start" this driver has queued
         self.configured: set[str] = set()  # trials whose config (params) it has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
@@ -109,6 +143,7 @@ class MlflowTrialLogger(tune.Callback):
             "tracking_uri": uri,
             "_tracker": None,
             "run_ids": {},
+            "recorded": set(),
             "started": set(),
             "configured": set(),
             "pending": [],
@@ -125,9 +160,7 @@ class MlflowTrialLogger(tune.Callback):
         self.pending = list(state.get("pending", []))
 
     def _real_uri(self) -> str:
-        if f":{REDACTED}@" in self.tracking_uri:
-            return os.environ.get(TRACKING_URI_ENV, self.tracking_uri)
-        return self.tracking_uri
+        return real_tracking_uri(self.tracking_uri)
 
     @property
     def tracker(self) -> Tracker:
@@ -137,6 +170,9 @@ class MlflowTrialLogger(tune.Callback):
             # that runs again reuses its run instead of getting a duplicate.
             runs = self._tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG)
             self.run_ids = {trial: run.info.run_id for trial, run in runs.items()}
+            # A trial that had ended only repeats its outcome (RecordedOutcome): its run
+            # is final and none of its events is written again.
+            self.recorded = {trial for trial, run in runs.items() if outcome_recorded(run)}
         return self._tracker
 
     # --- the queue ----------------------------------------------------------------------
@@ -147,6 +183,8 @@ class MlflowTrialLogger(tune.Callback):
 
     def _apply(self, write: dict[str, Any]) -> None:
         tracker, trial_id = self.tracker, write["trial"]
+        if trial_id in self.recorded:
+            return
         if write["op"] == "start":
             run_id = self.run_ids.get(trial_id)
             if run_id is None:

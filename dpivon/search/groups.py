@@ -11,7 +11,8 @@ time:
   different optimizers or epsilons.
 - :class:`GroupCallbacks` hands each group's callbacks (its MLflow logger, its progress
   line) the events of its own trials, seen with their search parameters only.
-- :func:`run_group_trial` is the trainable: one trial of the group its config names.
+- :func:`run_group_trial` is the trainable: one trial of the group its config names (on a
+  resume, a trial MLflow records as ended repeats its outcome instead).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ray.tune.search.optuna import OptunaSearch
 from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import SweepStorage
-from dpivon.search.callbacks import MlflowTrialLogger, SweepProgress
+from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
 from dpivon.search.results import (
     BUDGET_TAG,
@@ -42,7 +43,8 @@ from dpivon.search.results import (
     group_name,
 )
 from dpivon.search.space import SearchSpace
-from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, run_trial
+from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
+from dpivon.tracking.client import redact_uri
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,14 @@ def run_group_trial(
     data: DataSplits,
     groups: dict[str, tuple[dict[str, Any], SearchSpace]],
     threads: int,
+    recorded: dict[str, RecordedOutcome],
 ) -> None:
-    """The sweep's trainable: one trial of the group its config names."""
+    """The sweep's trainable: one trial of the group its config names, or on a resume
+    the outcome MLflow already records for it (``recorded``, by trial id)."""
+    outcome = recorded.get(tune.get_context().get_trial_id())
+    if outcome is not None:
+        outcome.report_again()
+        return
     base_config, space = groups[config[GROUP_KEY]]
     run_trial(
         search_params(config), data=data, base_config=base_config, space=space, threads=threads
@@ -125,11 +133,22 @@ class GroupSearcher(Searcher):
     Each suggestion comes from the group with the fewest trials in flight (then the fewest
     suggested) that has trials left, and carries that group in its config; results go back
     to that group's study only. Saved and restored whole with the Tune experiment.
+
+    Tune saves this state a moment behind MLflow, so a driver lost just after a trial
+    started can leave that trial with a run in MLflow (and perhaps released metrics) but
+    no place here. A restore counts such trials among their group's (``recorded_trials``
+    reads MLflow): a sweep never trains more trials than its privacy cost covers.
     """
 
-    def __init__(self, studies: dict[str, Searcher], trials: dict[str, int]):
+    def __init__(
+        self,
+        studies: dict[str, Searcher],
+        trials: dict[str, int],
+        recorded_trials: Callable[[], dict[str, set[str]]],
+    ):
         super().__init__()
         self.studies, self.trials = studies, trials  # not `searcher`: Tune unwraps that name
+        self.recorded_trials = recorded_trials
         self.suggested = dict.fromkeys(studies, 0)
         self.in_flight = dict.fromkeys(studies, 0)
         self.group_of: dict[str, str] = {}  # Tune trial id -> group
@@ -165,6 +184,9 @@ class GroupSearcher(Searcher):
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "rb") as f:
             self.__dict__.update(pickle.load(f))
+        for group, trial_ids in self.recorded_trials().items():
+            if group in self.suggested:
+                self.suggested[group] += len(trial_ids - self.group_of.keys())
 
 
 class GroupScheduler(FIFOScheduler):
@@ -279,16 +301,21 @@ def _sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
 
 
 def group_trainable(
-    groups: list[SweepGroup], data: DataSplits, resources: Resources
+    groups: list[SweepGroup],
+    data: DataSplits,
+    resources: Resources,
+    recorded: dict[str, RecordedOutcome],
 ) -> Callable[..., None]:
-    """The sweep's Tune trainable: :func:`run_group_trial` with the data and each group's
-    settings in Ray's object store, and one trial's resource request."""
+    """The sweep's Tune trainable: :func:`run_group_trial` with the data, each group's
+    settings and the outcomes already recorded in Ray's object store, and one trial's
+    resource request."""
     return tune.with_resources(
         tune.with_parameters(
             run_group_trial,
             data=data,
             groups={g.name: (g.base_config, g.space) for g in groups},
             threads=max(1, int(resources.cpu)),
+            recorded=recorded,
         ),
         {"cpu": resources.cpu, "gpu": resources.gpu},
     )
@@ -357,7 +384,11 @@ def group_tuner(
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
-            search_alg=GroupSearcher(studies, {g.name: g.trials for g in groups}),
+            search_alg=GroupSearcher(
+                studies,
+                {g.name: g.trials for g in groups},
+                RecordedTrials(redact_uri(tracking_uri), experiment, parent_run_id),
+            ),
             scheduler=scheduler,
             num_samples=sum(g.trials for g in groups),
             max_concurrent_trials=concurrency,  # sweep-wide: a ConcurrencyLimiter

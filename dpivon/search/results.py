@@ -13,6 +13,7 @@ import pandas as pd
 from mlflow.entities import Run
 
 from dpivon.orchestration.storage import SweepStorage
+from dpivon.search.trial import RecordedOutcome
 from dpivon.tracking.client import Tracker
 
 TRIAL_TAG = "dpivon.trial_id"
@@ -51,6 +52,27 @@ def trial_status(run: Run) -> TrialStatus:
     ):
         return TrialStatus.FAILED
     return status
+
+
+def outcome_recorded(run: Run) -> bool:
+    """Whether the run holds its trial's outcome: it ended FINISHED or FAILED with the
+    outcome tagged (the trial's last write), not merely closed by a stopped driver."""
+    return (
+        run.info.status in ("FINISHED", "FAILED")
+        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
+    )
+
+
+def recorded_outcomes(tracker: Tracker, parent_run_id: str) -> dict[str, RecordedOutcome]:
+    """The outcomes MLflow holds, by trial id: what a resume repeats to Tune for trials
+    that its saved state, written a moment behind MLflow, still has as unfinished."""
+    return {
+        run.data.tags[TRIAL_TAG]: RecordedOutcome(
+            result=dict(run.data.metrics), failed=trial_status(run) is TrialStatus.FAILED
+        )
+        for run in tracker.child_runs(parent_run_id)
+        if TRIAL_TAG in run.data.tags and outcome_recorded(run)
+    }
 
 
 def trials_table(tracker: Tracker, parent_run_id: str, storage: SweepStorage) -> pd.DataFrame:

@@ -50,7 +50,14 @@ from dpivon.privacy.tuning import solve_trial_epsilon_within
 from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
-from dpivon.search.results import GROUP_TAG, STATUS_TAG, TrialStatus, group_name
+from dpivon.search.results import (
+    GROUP_TAG,
+    STATUS_TAG,
+    TrialStatus,
+    group_name,
+    outcome_recorded,
+    recorded_outcomes,
+)
 from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
@@ -86,10 +93,11 @@ class SweepState(RunState):
 
 def _run_trials(
     pipeline: Pipeline, groups: list[SweepGroup], data: DataSplits, state: SweepState,
-    storage: SweepStorage, tracking_uri: str, concurrency: int, stop: _StopOnSignals,
+    storage: SweepStorage, tracker: Tracker, concurrency: int, stop: _StopOnSignals,
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
-    ``concurrency`` at once."""
+    ``concurrency`` at once. On a resume the trials MLflow records as ended are not run
+    again, whatever Tune's saved state (a moment behind MLflow) says of them."""
     if not pipeline.hides_trial_count:  # else the trial counts are private
         for group in groups:
             if group.trials == 0:
@@ -97,9 +105,11 @@ def _run_trials(
     groups = [g for g in groups if g.trials > 0]
     if not groups:
         return
-    trainable = group_trainable(groups, data, pipeline.resources)
     path, filesystem = storage.experiment_path(TUNE_EXPERIMENT), storage.filesystem
-    if tune.Tuner.can_restore(path, storage_filesystem=filesystem):  # only a resumed sweep
+    restoring = tune.Tuner.can_restore(path, storage_filesystem=filesystem)  # a resume
+    recorded = recorded_outcomes(tracker, state.parent_run_id) if restoring else {}
+    trainable = group_trainable(groups, data, pipeline.resources, recorded)
+    if restoring:
         console.print("restoring the interrupted trials")
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=filesystem)
@@ -114,7 +124,7 @@ def _run_trials(
             verbose=0,
         )
         tuner = group_tuner(pipeline, groups, trainable, run_config, storage,
-                            concurrency=concurrency, tracking_uri=tracking_uri,
+                            concurrency=concurrency, tracking_uri=tracker.tracking_uri,
                             experiment=state.experiment, parent_run_id=state.parent_run_id)
     how_many = (f"trials drawn from {pipeline.trial_count} (mean {pipeline.trials})"
                 if pipeline.hides_trial_count else f"{sum(g.trials for g in groups)} trials")
@@ -127,12 +137,7 @@ def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[Swe
     """Whether MLflow records an outcome for every trial of every group (a trial's outcome
     is its last write): a finished sweep, whose resume restores nothing of Tune's."""
     runs = tracker.child_runs(parent_run_id)
-    ended = Counter(
-        run.data.tags.get(GROUP_TAG)
-        for run in runs
-        if run.info.status in ("FINISHED", "FAILED")
-        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
-    )
+    ended = Counter(run.data.tags.get(GROUP_TAG) for run in runs if outcome_recorded(run))
     return sum(ended.values()) == len(runs) and all(ended[g.name] >= g.trials for g in groups)
 
 
@@ -221,6 +226,17 @@ class StopWhenSaved(tune.Callback):
     def on_step_end(self, iteration: int, trials: list, **info) -> None:
         if _StopOnSignals.active is not None:
             _StopOnSignals.active.stop_tune_once_saved(trials)
+
+
+def _close_lost_trials(tracker: Tracker, parent_run_id: str) -> None:
+    """Once every trial Tune knows has ended, a child run still open belongs to a trial
+    started just before a lost driver and missing from Tune's saved state: it ends FAILED,
+    one of its group's trials (GroupSearcher counted it)."""
+    for run in tracker.child_runs(parent_run_id):
+        if run.info.status in ("RUNNING", "KILLED"):
+            error = "lost with the driver before Tune saved it; counted among the trials"
+            tracker.set_tags(run.info.run_id, {STATUS_TAG: TrialStatus.FAILED, "error": error})
+            tracker.end_run(run.info.run_id, "FAILED")
 
 
 def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
@@ -401,10 +417,11 @@ def run_sweep(
                     console.print("every trial has run: none runs again; the report is "
                                   "made again from the MLflow record")
                 else:
-                    _run_trials(pipeline, groups, data, state, storage, tracker.tracking_uri,
-                                concurrency, stop)
+                    _run_trials(pipeline, groups, data, state, storage, tracker, concurrency,
+                                stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
+                _close_lost_trials(tracker, parent)
                 # Every trial has ended and none resumes: their resume states (in secure
                 # mode the noise keys) must not outlive them in the sweep's folder.
                 storage.remove_files_named(TUNE_EXPERIMENT, RESUME_FILE)

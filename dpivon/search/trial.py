@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,32 @@ DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
 GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
 TRIAL_CONFIG = "trial_config"  # the trial's TrainConfig as flat keys, JSON (not a metric)
+
+
+class TrialAlreadyFailed(RuntimeError):
+    """A resumed trial whose MLflow run already records its failure."""
+
+
+@dataclass(frozen=True)
+class RecordedOutcome:
+    """A trial's outcome as its MLflow run already holds it.
+
+    Tune's saved state can lag that record by a second or more, so after a lost driver a
+    resume may start a trial that had ended. It then repeats this outcome to Tune and
+    trains nothing: no trial is trained twice, and a final checkpoint (which holds no
+    resume state) is never resumed from.
+    """
+
+    result: dict[str, float]  # its last metrics, the objectives among them
+    failed: bool  # it ended in an error (not a divergence)
+
+    def report_again(self) -> None:
+        if self.failed:
+            raise TrialAlreadyFailed(
+                "this trial failed before the driver was lost (its MLflow run has the "
+                "error); a resume does not run it again"
+            )
+        tune.report(self.result)
 
 
 def trial_seed(pipeline_seed: int, trial_id: str) -> int:
