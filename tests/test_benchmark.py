@@ -669,6 +669,9 @@ def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(
     assert parent.info.status == "KILLED"
     (stopped,) = [c for c in children if c.info.status != "FINISHED"]
     assert stopped.info.status == "KILLED"
+    said = " ".join(stderr.decode().split())
+    assert f"{stopped.data.tags[KEY_TAG]} interrupted" in said  # stopped, not failed
+    assert f"{stopped.data.tags[KEY_TAG]} failed" not in said and ", 1 failed" not in said
     checkpoint = RunCheckpoint.of(pipeline.storage, next(
         r for r in pipeline.runs if r.key == stopped.data.tags[KEY_TAG]
     ))

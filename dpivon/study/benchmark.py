@@ -450,6 +450,10 @@ def execute_runs(
                     bar.console.print(_finished_line(spec, result), highlight=False)
             if message is not None:
                 _fail(tracker, run_id, message, status)
+                if status == "KILLED":  # stopped, not failed: --resume continues it
+                    bar.console.print(f"[bold]{spec.key}[/] [yellow]{message}[/]",
+                                      highlight=False)
+                    return
                 outcome.failed[spec.key] = message
                 bar.console.print(f"[bold]{spec.key}[/] [red]failed[/]: {message}", highlight=False)
             bar.update(progress, advance=1, status=running_status())
@@ -476,7 +480,7 @@ def execute_runs(
                 ray.cancel(ref, force=True)
                 finish(
                     ref,
-                    "interrupted (Ctrl-C); --resume continues it from its last finished epoch",
+                    "interrupted; --resume continues it from its last finished epoch",
                     status="KILLED",
                 )
             raise
