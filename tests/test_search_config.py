@@ -795,3 +795,22 @@ def test_shipped_benchmark_pipelines_load(path):
     from dpivon.study.spec import load_benchmark
 
     assert load_benchmark(path).name
+
+
+# A study's GPU version (pipelines/ keeps one per study for a cluster) and the study itself.
+GPU_TWINS = {"compare-eps3-gpu.yaml": "compare-eps3.yaml"}
+
+
+@pytest.mark.parametrize("gpu_file", sorted(GPU_TWINS))
+def test_a_studys_gpu_version_trains_exactly_its_runs(gpu_file):
+    """The two files repeat the method list: only where the runs go and how many at once
+    may differ, or the GPU results would answer another question."""
+    from dpivon.study.spec import load_benchmark
+
+    gpu = load_benchmark(ROOT / "pipelines" / gpu_file)
+    cpu = load_benchmark(ROOT / "pipelines" / GPU_TWINS[gpu_file])
+    assert gpu.resources.gpu > 0 and gpu.name != cpu.name  # its own store and resume key
+    assert gpu.data == cpu.data
+    assert [(r.key, r.config.flat(), r.tuned_by) for r in gpu.runs] == [
+        (r.key, r.config.flat(), r.tuned_by) for r in cpu.runs
+    ]
