@@ -686,3 +686,26 @@ def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(
     history = client.get_metric_history(stopped.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # each epoch logged once
     assert not any(folder.glob("*.pt"))
+
+
+def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
+    """A resume may add a method (the anchor control was added so): the parent then names
+    every method and run it holds, and keeps the pipeline it ran last."""
+    dp_sgd = {"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}
+    sgd = {"name": "sgd", "optimizer": "sgd", "train": {"lr": 0.1}}
+    plan = {"epsilons": [8], "data": {"dataset": "synthetic", "synthetic_size": 200}}
+    path = write_benchmark(tmp_path, methods=[dp_sgd], **plan)
+    first = runner.invoke(app, ["benchmark", path])
+    assert first.exit_code == 0, first.output
+    path = write_benchmark(tmp_path, methods=[dp_sgd, sgd], **plan)
+    resumed = runner.invoke(app, ["benchmark", path, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "3 of 6 runs to do (3 finished before)" in " ".join(resumed.output.split())
+    client, (parent,), children = runs_of(tmp_path, load_benchmark(path).experiment)
+    assert len(children) == 6
+    tags = parent.data.tags
+    assert (tags["methods"], tags["epsilons"], tags["seeds"], tags["runs"]) == (
+        "dp-sgd,sgd", "8", "0,1,2", "6"
+    )
+    logged = client.download_artifacts(parent.info.run_id, "pipeline.yaml", str(tmp_path))
+    assert Path(logged).read_text() == Path(path).read_text()

@@ -313,6 +313,21 @@ def error_line(err: BaseException) -> str:
 # --- the driver -----------------------------------------------------------------------------
 
 
+def _describe_plan(tracker: Tracker, parent: str, pipeline: BenchmarkPipeline) -> None:
+    """The parent's plan as this invocation runs it: a resume may add methods, epsilons or
+    seeds, so these are tags (a param cannot change) and pipeline.yaml is written again."""
+    tracker.set_tags(
+        parent,
+        {
+            "methods": ",".join(pipeline.method_names),
+            "epsilons": ",".join(f"{e:g}" for e in pipeline.epsilon_list),
+            "seeds": ",".join(map(str, pipeline.seeds)),
+            "runs": str(len(pipeline.runs)),
+        },
+    )
+    tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
+
+
 def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool) -> str:
     storage = pipeline.storage
     if BenchmarkState.exists(storage):
@@ -324,6 +339,7 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
             )
         state = BenchmarkState.load(storage)
         tracker.set_run_status(state.parent_run_id, "RUNNING")
+        _describe_plan(tracker, state.parent_run_id, pipeline)
         return state.parent_run_id
     if resume:
         console.print(
@@ -336,20 +352,16 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
         parent,
         {
             "benchmark": pipeline.name,
-            "methods": pipeline.method_names,
-            "epsilons": pipeline.epsilon_list,
-            "seeds": pipeline.seeds,
             "split_seed": pipeline.split_seed,
             "delta": pipeline.delta,
             "epochs": pipeline.epochs,
             "model": pipeline.model.name,
             "dataset": pipeline.data.dataset,
             "per_class": pipeline.data.per_class,
-            "runs": len(pipeline.runs),
             **provenance(),
         },
     )
-    tracker.log_text(parent, pipeline.source_text, "pipeline.yaml")
+    _describe_plan(tracker, parent, pipeline)
     # no password in the state file: a resume is given the URI again
     BenchmarkState(
         pipeline.name, str(pipeline.path), tracker.display_uri, tracker.experiment_name, parent
