@@ -179,6 +179,9 @@ def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tm
 
     restored = GroupSearcher({}, {}, dict)
     restored.restore(str(tmp_path / "searcher.pkl"))
+    # ... and so does a second restore of the state the first one saved (resumed twice)
+    restored.save(str(tmp_path / "searcher.pkl"))
+    restored.restore(str(tmp_path / "searcher.pkl"))
     assert restored.suggest("t3")[GROUP_KEY] == "g"  # the third and last trial of "g"
     assert restored.suggest("t4") == Searcher.FINISHED
 

@@ -184,9 +184,12 @@ class GroupSearcher(Searcher):
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "rb") as f:
             self.__dict__.update(pickle.load(f))
-        for group, trial_ids in self.recorded_trials().items():
-            if group in self.suggested:
-                self.suggested[group] += len(trial_ids - self.group_of.keys())
+        recorded = getattr(self, "recorded_trials", None)  # None: saved by an older dpivon
+        for group, trial_ids in (recorded() if recorded else {}).items():
+            for trial_id in trial_ids - self.group_of.keys():
+                if group in self.suggested:  # counted once: a later restore knows it
+                    self.group_of[trial_id] = group
+                    self.suggested[group] += 1
 
 
 class GroupScheduler(FIFOScheduler):

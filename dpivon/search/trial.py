@@ -34,6 +34,7 @@ from dpivon.training import EpochReport, TrainingDiverged, released_metrics, tra
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
+FINAL_RESULT_FILE = "result.json"  # beside the model: what a restored final trial reports
 COMPLETE = "training_complete"
 DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became non-finite
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
@@ -116,6 +117,12 @@ def run_trial(
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
+            final = Path(directory) / FINAL_RESULT_FILE
+            if final.exists():
+                # Restored from its final checkpoint (a driver lost before Tune saw the
+                # trial end): it has trained; it says its result again.
+                tune.report(json.loads(final.read_text()))
+                return
             resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=True)
 
     reported = {"epoch": resume_state["epoch"] if resume_state else 0}  # last epoch done
@@ -164,4 +171,5 @@ def run_trial(
     }
     with tempfile.TemporaryDirectory() as directory:
         save_checkpoint(Path(directory) / MODEL_FILE, config, result.model, result.posterior)
+        (Path(directory) / FINAL_RESULT_FILE).write_text(json.dumps(final_metrics))
         tune.report(final_metrics, checkpoint=tune.Checkpoint.from_directory(directory))
