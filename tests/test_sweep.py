@@ -332,6 +332,9 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray)
             assert "InjectedFailure" in child.data.tags["error"]
             # The epoch before the failure was recorded, not lost.
             assert "val_accuracy" in child.data.metrics
+    # ... with the privacy facts of every epoch: the tuning cost composes both failed trials
+    private = json.loads((sweep_folder(pipeline) / "tuning_private.json").read_text())
+    assert private["eps8-dp-sgd"]["num_trials"] == 2
 
 
 def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finishes(

@@ -3,7 +3,7 @@ Ray cluster; bad pipelines and clusters that can never run them."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import os
 import signal
@@ -18,6 +18,7 @@ import ray
 from ray import tune
 from ray.cluster_utils import Cluster
 from ray.tune.experiment import Trial
+from ray.tune.result import SHOULD_CHECKPOINT
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 from sweep_helpers import REPO, runs_of, sweep_folder, write_pipeline
@@ -28,9 +29,15 @@ from dpivon.orchestration.ray_cluster import RAY_CONNECT_TIMEOUT_S
 from dpivon.search.callbacks import MlflowTrialLogger
 from dpivon.search.groups import GROUP_KEY, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.results import GROUP_TAG, STATUS_TAG, TRIAL_TAG, recorded_outcomes
+from dpivon.search.results import (
+    ERROR_TAG,
+    GROUP_TAG,
+    STATUS_TAG,
+    TRIAL_TAG,
+    recorded_outcomes,
+)
 from dpivon.search.sweep import run_sweep
-from dpivon.search.trial import COMPLETE, DIVERGED, TrialAlreadyFailed
+from dpivon.search.trial import COMPLETE, DIVERGED, DIVERGED_ERROR, TrialAlreadyFailed
 from dpivon.tracking.client import Tracker
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
@@ -124,8 +131,10 @@ def _record_trials(tracker: Tracker, parent: str, ended: dict[str, tuple]) -> No
     """Child runs of ``parent`` as a sweep's logger leaves them: trial id ->
     (run status, outcome tag, last metrics)."""
     for trial_id, (status, outcome, metrics) in ended.items():
-        run = tracker.start_run(trial_id, parent_run_id=parent,
-                                tags={TRIAL_TAG: trial_id, STATUS_TAG: outcome, GROUP_TAG: "g"})
+        tags = {TRIAL_TAG: trial_id, STATUS_TAG: outcome, GROUP_TAG: "g"}
+        if status == "FAILED":
+            tags[ERROR_TAG] = f"{trial_id} at epoch 2"
+        run = tracker.start_run(trial_id, parent_run_id=parent, tags=tags)
         tracker.log_metrics(run, metrics, step=2)
         if status != "RUNNING":
             tracker.end_run(run, status)
@@ -146,6 +155,7 @@ def test_a_resume_repeats_only_outcomes_mlflow_holds_and_writes_nothing_over_the
     assert {k: o.failed for k, o in recorded.items()} == {"done": False, "nan": False,
                                                           "error": True}
     assert recorded["done"].result == {"val_accuracy": 0.5, COMPLETE: 1}
+    assert recorded["nan"].result[DIVERGED_ERROR] == "nan at epoch 2"  # for the progress line
     with pytest.raises(TrialAlreadyFailed):
         recorded["error"].report_again()
 
@@ -166,24 +176,78 @@ def test_a_resume_repeats_only_outcomes_mlflow_holds_and_writes_nothing_over_the
     assert [m.step for m in tracker.metric_history(stopped.info.run_id, "val_accuracy")] == [2, 3]
 
 
+def test_an_epoch_is_logged_once_tune_registers_its_checkpoint(tmp_path):
+    """A node lost between an epoch's report and Tune registering its checkpoint: the trial
+    retries that epoch from the previous checkpoint, and MLflow gets the epoch once."""
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "node-loss")
+    parent = tracker.start_run("sweep")
+    storage = load_pipeline(write_pipeline(tmp_path)).storage
+    logger = MlflowTrialLogger(tracker.tracking_uri, "node-loss", parent, "g", {}, storage)
+
+    def report(trial: Trial, epoch: int, accuracy: float) -> None:
+        logger.on_trial_result(0, [], trial, {"val_accuracy": accuracy, "epoch": epoch,
+                                              SHOULD_CHECKPOINT: True})
+
+    def logged(trial_id: str) -> list[tuple[int, float]]:
+        run = tracker.child_runs_by_tag(parent, TRIAL_TAG)[trial_id]
+        return [(m.step, m.value) for m in tracker.metric_history(run.info.run_id,
+                                                                  "val_accuracy")]
+
+    moved, failed = Trial("t", stub=True, trial_id="moved"), Trial("t", stub=True,
+                                                                    trial_id="failed")
+    for trial in (moved, failed):
+        logger.on_trial_start(0, [], trial)
+        report(trial, 1, 0.1)
+        assert logged(trial.trial_id) == []  # not before its checkpoint is registered
+        logger.on_checkpoint(0, [], trial, checkpoint=None)
+    report(moved, 2, 0.2)
+    logger.on_trial_recover(0, [], moved)  # its node died: epoch 2 runs again from epoch 1
+    report(moved, 2, 0.25)
+    logger.on_checkpoint(0, [], moved, checkpoint=None)
+    logger.on_trial_complete(0, [], moved)
+    assert logged("moved") == [(1, 0.1), (2, 0.25)]
+
+    report(failed, 2, 0.2)
+    logger.on_trial_error(0, [], failed)  # out of retries: its last report is its record
+    assert logged("failed") == [(1, 0.1), (2, 0.2)]
+
+
+@dataclasses.dataclass
+class _FlakyTrialReader:
+    """Trial ids by group, as RecordedTrials reads them from MLflow; the first read fails."""
+
+    trial_ids: dict[str, set[str]]
+    reads: int = 0
+
+    def __call__(self) -> dict[str, set[str]]:
+        self.reads += 1
+        if self.reads == 1:
+            raise ConnectionError("MLflow is restarting")
+        return self.trial_ids
+
+
 def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tmp_path):
     def study() -> OptunaSearch:
         return OptunaSearch(space={"lr": tune.uniform(0.1, 1.0)}, metric="val_accuracy",
                             mode="max")
 
     # MLflow has "t1" and "t2"; the driver was lost before Tune saved "t2".
-    in_mlflow = functools.partial(dict, g={"t1", "t2"}, other={"x"})
-    searcher = GroupSearcher({"g": study()}, {"g": 3}, in_mlflow)
+    in_mlflow = _FlakyTrialReader({"g": {"t1", "t2"}, "other": {"x"}})
+    searcher = GroupSearcher({"g": study()}, {"g": 4}, in_mlflow)
     assert searcher.suggest("t1")[GROUP_KEY] == "g"
     searcher.save(str(tmp_path / "searcher.pkl"))
 
     restored = GroupSearcher({}, {}, dict)
-    restored.restore(str(tmp_path / "searcher.pkl"))
-    # ... and so does a second restore of the state the first one saved (resumed twice)
+    restored.restore(str(tmp_path / "searcher.pkl"))  # reads nothing: Tune restarts on errors
+    assert restored.recorded_trials.reads == 0
+    with pytest.raises(ConnectionError):  # the sweep stops; its state is as before
+        restored.suggest("t3")
+    assert restored.suggest("t3")[GROUP_KEY] == "g"  # the third of 4: "t2" counts
+    # resumed twice: the state the first resume saved has "t2" already
     restored.save(str(tmp_path / "searcher.pkl"))
     restored.restore(str(tmp_path / "searcher.pkl"))
-    assert restored.suggest("t3")[GROUP_KEY] == "g"  # the third and last trial of "g"
-    assert restored.suggest("t4") == Searcher.FINISHED
+    assert restored.suggest("t4")[GROUP_KEY] == "g"
+    assert restored.suggest("t5") == Searcher.FINISHED
 
 
 @pytest.mark.slow

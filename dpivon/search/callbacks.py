@@ -18,12 +18,14 @@ from typing import Any
 
 from mlflow.exceptions import MlflowException
 from ray import tune
+from ray.tune.result import SHOULD_CHECKPOINT
 from rich.console import Console
 
 from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.results import (
     CHECKPOINT_TAG,
+    ERROR_TAG,
     GROUP_TAG,
     STATUS_TAG,
     TRIAL_TAG,
@@ -63,7 +65,7 @@ _SKIPPED = {
     "experiment_tag",
     "checkpoint_dir_name",
     "config",
-    "should_checkpoint",
+    SHOULD_CHECKPOINT,
     "epoch",
     DIVERGED_ERROR,
     TRIAL_CONFIG,
@@ -88,9 +90,17 @@ class RecordedTrials:
     parent_run_id: str
 
     def __call__(self) -> dict[str, set[str]]:
-        tracker = Tracker(real_tracking_uri(self.tracking_uri), self.experiment)
+        try:
+            tracker = Tracker(real_tracking_uri(self.tracking_uri), self.experiment)
+            runs = tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG)
+        except (DpivonError, MlflowException, OSError) as err:
+            raise TrackingUnavailable(
+                f"MLflow at {self.tracking_uri} did not answer when the resumed sweep "
+                f"counted its trials ({_first_line(err)}); once it answers, run "
+                "`dpivon sweep PIPELINE --resume` again"
+            ) from err
         by_group: dict[str, set[str]] = {}
-        for trial, run in tracker.child_runs_by_tag(self.parent_run_id, TRIAL_TAG).items():
+        for trial, run in runs.items():
             by_group.setdefault(run.data.tags.get(GROUP_TAG, ""), set()).add(trial)
         return by_group
 
@@ -131,6 +141,7 @@ class MlflowTrialLogger(tune.Callback):
         self.started: set[str] = set()  # trials whose "start" this driver has queued
         self.configured: set[str] = set()  # trials whose config (params) it has queued
         self.pending: list[dict[str, Any]] = []  # writes not yet accepted by MLflow, in order
+        self.unsaved: dict[str, list[dict[str, Any]]] = {}  # metrics awaiting their checkpoint
         self._retry_at = 0.0
         self._down_since: float | None = None
 
@@ -147,6 +158,7 @@ class MlflowTrialLogger(tune.Callback):
             "started": set(),
             "configured": set(),
             "pending": [],
+            "unsaved": {},
             "_retry_at": 0.0,
             "_down_since": None,
         }
@@ -269,14 +281,33 @@ class MlflowTrialLogger(tune.Callback):
             for k, v in result.items()
             if k not in _SKIPPED and isinstance(v, int | float) and not isinstance(v, bool)
         }
-        self._queue(trial, "metrics", metrics=metrics, step=int(result.get("epoch", 0)))
+        step = int(result.get("epoch", 0))
+        if result.get(SHOULD_CHECKPOINT):
+            # Tune registers the checkpoint one step later, and a trial whose node dies
+            # before that retries this epoch from the previous checkpoint: its metrics go
+            # out with the checkpoint (on_checkpoint), so each epoch is logged once.
+            self.unsaved.setdefault(trial.trial_id, []).append({"metrics": metrics, "step": step})
+        else:
+            self._queue(trial, "metrics", metrics=metrics, step=step)
         if "node_id" in result:
             self._queue(trial, "tags", tags={"ray.node_id": result["node_id"]})
 
+    def _log_saved(self, trial) -> None:
+        for write in self.unsaved.pop(trial.trial_id, []):
+            self._queue(trial, "metrics", **write)
+
+    def on_checkpoint(self, iteration, trials, trial, checkpoint, **info) -> None:
+        self._log_saved(trial)
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        # it retries from its last registered checkpoint: the epochs after it run again
+        self.unsaved.pop(trial.trial_id, None)
+
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._log_saved(trial)  # nothing runs it again: what it reported is its record
         result = trial.last_result or {}
         if result.get(DIVERGED):
-            tags = {STATUS_TAG: TrialStatus.DIVERGED, "error": str(result.get(DIVERGED_ERROR))}
+            tags = {STATUS_TAG: TrialStatus.DIVERGED, ERROR_TAG: str(result.get(DIVERGED_ERROR))}
             self._queue(trial, "end", tags=tags, status="FAILED")
             return
         done = TrialStatus.COMPLETED if result.get(COMPLETE) else TrialStatus.EARLY_STOPPED
@@ -290,7 +321,8 @@ class MlflowTrialLogger(tune.Callback):
             # Its actor died before it started (out of memory, a lost node): Tune reports
             # the error without a start, so the run is opened here, to be closed FAILED.
             self.on_trial_start(iteration, trials, trial)
-        tags = {STATUS_TAG: TrialStatus.FAILED, "error": trial_error(trial)}
+        self._log_saved(trial)
+        tags = {STATUS_TAG: TrialStatus.FAILED, ERROR_TAG: trial_error(trial)}
         self._queue(trial, "end", tags=tags, status="FAILED")
 
     def on_step_end(self, iteration, trials, **info) -> None:

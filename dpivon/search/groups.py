@@ -136,8 +136,11 @@ class GroupSearcher(Searcher):
 
     Tune saves this state a moment behind MLflow, so a driver lost just after a trial
     started can leave that trial with a run in MLflow (and perhaps released metrics) but
-    no place here. A restore counts such trials among their group's (``recorded_trials``
-    reads MLflow): a sweep never trains more trials than its privacy cost covers.
+    no place here. After a restore, such trials count among their group's before the next
+    suggestion (``recorded_trials`` reads MLflow): a sweep never trains more trials than
+    its privacy cost covers. The read is not part of the restore itself, where any error
+    would make Tune start the experiment again from scratch; in ``suggest`` an unreachable
+    MLflow stops the sweep, and ``--resume`` picks it up again.
     """
 
     def __init__(
@@ -152,11 +155,14 @@ class GroupSearcher(Searcher):
         self.suggested = dict.fromkeys(studies, 0)
         self.in_flight = dict.fromkeys(studies, 0)
         self.group_of: dict[str, str] = {}  # Tune trial id -> group
+        self.counted_recorded = True  # False after a restore, until MLflow's trials count
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True  # each study has its own metrics, modes and space
 
     def suggest(self, trial_id: str) -> dict | str | None:
+        if not getattr(self, "counted_recorded", True):  # absent: saved by an older dpivon
+            self._count_recorded_trials()
         open_groups = [g for g in self.studies if self.suggested[g] < self.trials[g]]
         if not open_groups:
             return Searcher.FINISHED
@@ -184,12 +190,17 @@ class GroupSearcher(Searcher):
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "rb") as f:
             self.__dict__.update(pickle.load(f))
+        self.counted_recorded = False
+
+    def _count_recorded_trials(self) -> None:
+        """Count the trials MLflow has and this state lacks among their group's."""
         recorded = getattr(self, "recorded_trials", None)  # None: saved by an older dpivon
         for group, trial_ids in (recorded() if recorded else {}).items():
             for trial_id in trial_ids - self.group_of.keys():
                 if group in self.suggested:  # counted once: a later restore knows it
                     self.group_of[trial_id] = group
                     self.suggested[group] += 1
+        self.counted_recorded = True
 
 
 class GroupScheduler(FIFOScheduler):

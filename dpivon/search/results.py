@@ -13,11 +13,12 @@ import pandas as pd
 from mlflow.entities import Run
 
 from dpivon.orchestration.storage import SweepStorage
-from dpivon.search.trial import RecordedOutcome
+from dpivon.search.trial import DIVERGED_ERROR, RecordedOutcome
 from dpivon.tracking.client import Tracker
 
 TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
+ERROR_TAG = "error"  # a failed or diverged trial's error, one line
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
 OPTIMIZER_TAG = "dpivon.optimizer"
@@ -66,13 +67,18 @@ def outcome_recorded(run: Run) -> bool:
 def recorded_outcomes(tracker: Tracker, parent_run_id: str) -> dict[str, RecordedOutcome]:
     """The outcomes MLflow holds, by trial id: what a resume repeats to Tune for trials
     that its saved state, written a moment behind MLflow, still has as unfinished."""
-    return {
-        run.data.tags[TRIAL_TAG]: RecordedOutcome(
-            result=dict(run.data.metrics), failed=trial_status(run) is TrialStatus.FAILED
+    outcomes = {}
+    for run in tracker.child_runs(parent_run_id):
+        tags = run.data.tags
+        if TRIAL_TAG not in tags or not outcome_recorded(run):
+            continue
+        result: dict[str, float | str] = dict(run.data.metrics)
+        if trial_status(run) is TrialStatus.DIVERGED:
+            result[DIVERGED_ERROR] = tags.get(ERROR_TAG, "")  # the progress line shows it
+        outcomes[tags[TRIAL_TAG]] = RecordedOutcome(
+            result=result, failed=trial_status(run) is TrialStatus.FAILED
         )
-        for run in tracker.child_runs(parent_run_id)
-        if TRIAL_TAG in run.data.tags and outcome_recorded(run)
-    }
+    return outcomes
 
 
 def trials_table(tracker: Tracker, parent_run_id: str, storage: SweepStorage) -> pd.DataFrame:

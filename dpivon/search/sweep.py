@@ -51,6 +51,7 @@ from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import (
+    ERROR_TAG,
     GROUP_TAG,
     STATUS_TAG,
     TrialStatus,
@@ -235,7 +236,7 @@ def _close_lost_trials(tracker: Tracker, parent_run_id: str) -> None:
     for run in tracker.child_runs(parent_run_id):
         if run.info.status in ("RUNNING", "KILLED"):
             error = "lost with the driver before Tune saved it; counted among the trials"
-            tracker.set_tags(run.info.run_id, {STATUS_TAG: TrialStatus.FAILED, "error": error})
+            tracker.set_tags(run.info.run_id, {STATUS_TAG: TrialStatus.FAILED, ERROR_TAG: error})
             tracker.end_run(run.info.run_id, "FAILED")
 
 

@@ -56,7 +56,7 @@ class RecordedOutcome:
     resume state) is never resumed from.
     """
 
-    result: dict[str, float]  # its last metrics, the objectives among them
+    result: dict[str, float | str]  # its last metrics (the objectives among them), its error
     failed: bool  # it ended in an error (not a divergence)
 
     def report_again(self) -> None:
