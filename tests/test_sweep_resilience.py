@@ -37,7 +37,13 @@ from dpivon.search.results import (
     recorded_outcomes,
 )
 from dpivon.search.sweep import run_sweep
-from dpivon.search.trial import COMPLETE, DIVERGED, DIVERGED_ERROR, TrialAlreadyFailed
+from dpivon.search.trial import (
+    COMPLETE,
+    DIVERGED,
+    DIVERGED_ERROR,
+    REPLAYED,
+    TrialAlreadyFailed,
+)
 from dpivon.tracking.client import Tracker
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
@@ -204,8 +210,15 @@ def test_an_epoch_is_logged_once_tune_registers_its_checkpoint(tmp_path):
     logger.on_trial_recover(0, [], moved)  # its node died: epoch 2 runs again from epoch 1
     report(moved, 2, 0.25)
     logger.on_checkpoint(0, [], moved, checkpoint=None)
-    logger.on_trial_complete(0, [], moved)
+    logger.on_step_end(0, [])
     assert logged("moved") == [(1, 0.1), (2, 0.25)]
+    report(moved, 3, 0.3)  # the final result, with the model
+    logger.on_checkpoint(0, [], moved, checkpoint=None)
+    # its node dies before the trial ends: restored from the model, it says the result again
+    logger.on_trial_recover(0, [], moved)
+    logger.on_trial_result(0, [], moved, {"val_accuracy": 0.3, "epoch": 3, REPLAYED: 1})
+    logger.on_trial_complete(0, [], moved)
+    assert logged("moved") == [(1, 0.1), (2, 0.25), (3, 0.3)]
 
     report(failed, 2, 0.2)
     logger.on_trial_error(0, [], failed)  # out of retries: its last report is its record

@@ -37,6 +37,7 @@ from dpivon.search.trial import (
     DIVERGED,
     DIVERGED_ERROR,
     GROUP_KEY,
+    REPLAYED,
     TRIAL_CONFIG,
 )
 from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
@@ -272,6 +273,8 @@ class MlflowTrialLogger(tune.Callback):
         )
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if result.get(REPLAYED):
+            return  # logged with its checkpoint before the trial was restored from it
         if trial.trial_id not in self.configured and TRIAL_CONFIG in result:
             # the config the trial trains with, as its worker built it
             self.configured.add(trial.trial_id)
@@ -293,8 +296,10 @@ class MlflowTrialLogger(tune.Callback):
             self._queue(trial, "tags", tags={"ray.node_id": result["node_id"]})
 
     def _log_saved(self, trial) -> None:
+        # queued only (the next step writes them): an error raised here would keep Tune
+        # from registering the checkpoint
         for write in self.unsaved.pop(trial.trial_id, []):
-            self._queue(trial, "metrics", **write)
+            self.pending.append({"trial": trial.trial_id, "op": "metrics", **write})
 
     def on_checkpoint(self, iteration, trials, trial, checkpoint, **info) -> None:
         self._log_saved(trial)

@@ -40,6 +40,7 @@ DIVERGED = "diverged"  # 1 in the last report of a trial whose parameters became
 DIVERGED_ERROR = "diverged_error"  # its message (a string: no MLflow metric)
 GROUP_KEY = "dpivon_group"  # the group a trial's config belongs to (not a search parameter)
 TRIAL_CONFIG = "trial_config"  # the trial's TrainConfig as flat keys, JSON (not a metric)
+REPLAYED = "replayed"  # 1 in a final result said again: MLflow has it already
 
 
 class TrialAlreadyFailed(RuntimeError):
@@ -121,7 +122,7 @@ def run_trial(
             if final.exists():
                 # Restored from its final checkpoint (a driver lost before Tune saw the
                 # trial end): it has trained; it says its result again.
-                tune.report(json.loads(final.read_text()))
+                tune.report({**json.loads(final.read_text()), REPLAYED: 1})
                 return
             resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=True)
 
