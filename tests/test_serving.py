@@ -86,7 +86,10 @@ def assert_same_predictions(rows: list[dict], expected: list[dict]) -> None:
         assert (row["class"], row["label"]) == (want["class"], want["label"])
         for key, value in want.items():
             if key not in ("file", "class", "label"):
-                assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+                # float32 in two processes: a reduction's last bits may differ (how its
+                # threads split it), and mutual information, a difference of entropies
+                # near 2, inherits their absolute error (a few 1e-7)
+                assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
 
 
 def test_predict_and_mlflow_serve_agree_on_raw_jpegs(logged, jpegs, spawn):
