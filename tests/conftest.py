@@ -117,7 +117,9 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15) -> 
 
 @pytest.fixture
 def one_thread():
-    """Tiny models: one thread avoids the thread-pool overhead that dominates them."""
+    """Tiny models: one thread avoids the thread-pool overhead that dominates them. Also
+    for tests that run a trial or benchmark body in this process (it sets its own thread
+    count): the later tests get the count back."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

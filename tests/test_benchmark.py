@@ -262,7 +262,7 @@ def parameters(result) -> torch.Tensor:
 
 
 def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, one_thread
 ):
     """Research mode (the noise follows the seed): the continued run trains epochs 2 and 3
     only and ends where the uninterrupted run ends, history and parameters."""
@@ -285,7 +285,7 @@ def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
 
 
 def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, one_thread
 ):
     """The checkpoint is kept with the results, so it must not let a reader replay the
     noise: the key the run drew is nowhere in the file, nor is the raw training loss, and
@@ -556,7 +556,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     assert pipeline.storage.listdir("checkpoints") == []  # each removed once its run was logged
 
 
-def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark):
+def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark, one_thread):
     tmp_path, pipeline, _ = finished_benchmark
     client, _, children = runs_of(tmp_path, pipeline.experiment)
     interrupted = next(c for c in children if c.data.tags[KEY_TAG] == "dp-sgd|eps8|seed1")
