@@ -72,11 +72,12 @@ def recorded_outcomes(tracker: Tracker, parent_run_id: str) -> dict[str, Recorde
         tags = run.data.tags
         if TRIAL_TAG not in tags or not outcome_recorded(run):
             continue
+        status = trial_status(run)
         result: dict[str, float | str] = dict(run.data.metrics)
-        if trial_status(run) is TrialStatus.DIVERGED:
+        if status is TrialStatus.DIVERGED:
             result[DIVERGED_ERROR] = tags.get(ERROR_TAG, "")  # the progress line shows it
         outcomes[tags[TRIAL_TAG]] = RecordedOutcome(
-            result=result, failed=trial_status(run) is TrialStatus.FAILED
+            result=result, failed=status is TrialStatus.FAILED
         )
     return outcomes
 
