@@ -502,7 +502,7 @@ def benchmark(
         )
         raise typer.Exit(stop.exit_code) from None
     header, rows = results_rows(outcome.report.table)
-    table = Table(title=f"benchmark {loaded.name}: mean ± std over seeds")
+    table = Table(title=f"benchmark {loaded.name}: mean [95 % interval] over seeds")
     for column in header:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in rows:

@@ -172,6 +172,9 @@ class TrainingConfig(Section):
     # bounded: the noise calibration searches over epochs * steps per epoch
     epochs: Annotated[Int, Bound(ge=1, le=100_000)] = 10
     batch_size: Count = 256  # expected batch size b of Poisson sampling (private runs)
+    # Poisson batches per epoch of a private run; None: ceil(N / b), one pass in expectation.
+    # Set it to hold a published run's step count (Tramer & Boneh: 48 = floor(50,000 / 1,024))
+    steps_per_epoch: Annotated[Int, Bound(ge=1, le=1_000_000)] | None = None
     lr_schedule: Literal["constant", "cosine"] = "constant"
 
 
@@ -204,6 +207,9 @@ class PrivacyConfig(Section):
     # stored outside resume checkpoints (dpivon.privacy.noise). On: they follow the seed,
     # reproducible by anyone who knows it: no DP guarantee for anything the run releases.
     research_mode: Bool = False
+    # A fixed sigma_p instead of the one calibrated to `epsilon` (a published run's noise);
+    # `epsilon` stays the budget: a run whose fixed noise would spend more is refused.
+    fixed_noise_multiplier: FinitePositiveFloat | None = None
     tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
 
     @model_validator(mode="before")
@@ -214,6 +220,15 @@ class PrivacyConfig(Section):
         if isinstance(data, Mapping) and isinstance(data.get("secure_mode"), bool):
             data = {k: v for k, v in data.items() if k != "secure_mode"}
         return data
+
+    @model_validator(mode="after")
+    def _fixed_noise_has_budget(self) -> PrivacyConfig:
+        if self.fixed_noise_multiplier is not None and math.isinf(self.epsilon):
+            raise ValueError(
+                f"fixed_noise_multiplier {self.fixed_noise_multiplier:g} needs a finite epsilon, "
+                "the budget its noise must fit (epsilon inf means no noise)"
+            )
+        return self
 
 
 class EvaluationConfig(Section):
@@ -226,6 +241,9 @@ class EvaluationConfig(Section):
     # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
     # records that steer selection); 0: exact scores, validation records unprotected.
     val_noise_multiplier: NonNegativeFloat = 0.0
+    # the test set's accuracy after every epoch as well (`epoch_test_accuracy`), as published
+    # DP-SGD scripts log it; the test set steers nothing, so it spends no budget
+    test_every_epoch: Bool = False
 
 
 class RuntimeConfig(Section):
@@ -421,6 +439,11 @@ class TrainConfig(BaseModel):
     def _check_across_sections(self) -> TrainConfig:
         if self.is_private:
             check_engine_samples(self.privacy.engine, self.optimizer.samples_per_step)
+        elif self.training.steps_per_epoch is not None:
+            raise ValueError(
+                f"steps_per_epoch applies to private runs (Poisson batches); "
+                f"{self.optimizer.name} passes over the shuffled data once an epoch: omit it"
+            )
         return self
 
     @property

@@ -307,6 +307,8 @@ def privacy_plan(config: TrainConfig, n_train: int) -> PrivacyPlan:
         dataset_size=n_train,
         batch_size=config.training.batch_size,
         epochs=config.training.epochs,
+        steps_per_epoch=config.training.steps_per_epoch,
+        noise_multiplier=config.privacy.fixed_noise_multiplier,
     )
 
 
@@ -612,6 +614,12 @@ class _TrainingRun:
             self.val = _validation_scores(config, setup, val)
         metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
         metrics.update({f"val_{k}": v for k, v in self.val.items()})
+        if config.evaluation.test_every_epoch:
+            with phases.phase("test"):
+                test = evaluate_as_configured(
+                    config, setup.model, self.data.test, self.posterior, bma_samples=val_samples
+                )
+            metrics["epoch_test_accuracy"] = test.metrics["accuracy"]
         if setup.private is not None:
             plan = setup.private.plan
             metrics.update(

@@ -31,7 +31,7 @@ from dpivon.errors import DpivonError
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.orchestration.storage import SweepStorage
-from dpivon.study.aggregate import RunRecord, aggregate, compare
+from dpivon.study.aggregate import RunRecord, aggregate, compare, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,
     RunCheckpoint,
@@ -120,31 +120,45 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     assert row["wall_time_s_std"] == pytest.approx(1.0)
     assert table.iloc[0]["test_ece_std"] == pytest.approx(0.02)
 
-    # eps 1: alpha leads beta by 0.10 in accuracy, stds 0.02 each: beyond the spread
-    acc = compare(table, "test_accuracy", 1.0)
+    # the 95 % t interval of alpha's mean at 8 (n 3): mean ± t(0.975, 2) * std / sqrt(3)
+    half = 4.302652729911275 * math.sqrt(0.0024 / 2) / math.sqrt(3)
+    assert (row["test_accuracy_ci_low"], row["test_accuracy_ci_high"]) == pytest.approx(
+        (0.52 - half, 0.52 + half)
+    )
+
+    runs = records_frame(hand_records())
+    # eps 1: alpha leads beta by exactly 0.10 on every seed: the paired interval is [0.1, 0.1]
+    acc = compare(runs, "test_accuracy", 1.0)
     assert (acc.best, acc.second) == ("alpha", "beta")
-    assert acc.gap == pytest.approx(0.10) and acc.beyond_spread
-    # eps 8: beta leads by 0.02 with stds 0.02 and 0.035: within the spread
-    acc8 = compare(table, "test_accuracy", 8.0)
-    assert acc8.best == "beta" and acc8.beyond_spread is False
-    assert compare(table, "test_ece", 1.0).best == "beta"  # lower is better
+    assert acc.gap == pytest.approx(0.10) and acc.word == "leads"
+    assert acc.difference.paired and acc.difference.seeds == 3
+    assert acc.difference.interval.low == pytest.approx(0.10)
+    # eps 8: beta leads by 0.02 on the means; per seed 0.02, 0.04, 0.00: the interval
+    # 0.02 ± 4.30 * 0.02 / sqrt(3) straddles 0
+    acc8 = compare(runs, "test_accuracy", 8.0)
+    assert acc8.best == "beta" and acc8.word == "indistinguishable"
+    assert acc8.difference.interval.low < 0 < acc8.difference.interval.high
+    assert compare(runs, "test_ece", 1.0).best == "beta"  # lower is better
     # the last epoch's diagnostics: alpha's h ends at 0.40, 0.41, 0.42; beta logs none
     assert row["last_hess_median_mean"] == pytest.approx(0.41)
     assert row["last_hess_median_std"] == pytest.approx(0.01)
     assert row["last_projected_fraction_mean"] == pytest.approx(0.67)
     assert table.iloc[3][["last_projected_fraction_mean", "last_hess_median_std"]].isna().all()
-    lines = verdict_lines(table)
+    lines = verdict_lines(runs)
     assert len(lines) == 4  # per epsilon: the metrics, then the collapse
-    assert lines[0].startswith("epsilon 1:") and "**alpha**" in lines[0]
-    assert "10.0 points above beta" in lines[0] and "beyond" in lines[0]
+    assert lines[0].startswith("epsilon 1:") and "**alpha** (32.0 points) leads beta" in lines[0]
+    assert "difference 10.0 points, 95 % CI [10.0, 10.0], paired t-test" in lines[0]
     # NLL = 2 - accuracy: alpha's is lower at eps 1
-    assert "lowest mean test NLL **alpha** (1.680 ± 0.020), 0.100 below beta" in lines[0]
+    assert "lowest mean test NLL **alpha** (1.680) leads beta (1.780)" in lines[0]
     assert lines[1].startswith("epsilon 1: least curvature collapse") and "**alpha**" in lines[1]
-    assert lines[2].startswith("epsilon 8:") and "within the seeds' spread" in lines[2]
-    # one seed per method (a benchmark under way): no spread to judge the gap against
-    one_seed = aggregate([r for r in hand_records() if r.replicate == 0])
-    assert compare(one_seed, "test_accuracy", 1.0).beyond_spread is None
-    assert "one seed: the spread is unknown" in verdict_lines(one_seed)[0]
+    assert lines[2].startswith("epsilon 8:")
+    assert "**beta** (54.0 points) and alpha (52.0 points) are indistinguishable at 3 seeds" in (
+        lines[2]
+    )
+    # one seed per method (a benchmark under way): no interval to judge the gap with
+    one_seed = records_frame([r for r in hand_records() if r.replicate == 0])
+    assert compare(one_seed, "test_accuracy", 1.0).word == "unknown"
+    assert "one seed: no interval" in verdict_lines(one_seed)[0]
 
 
 def test_report_has_the_table_and_a_self_contained_html(tmp_path):
@@ -158,7 +172,8 @@ def test_report_has_the_table_and_a_self_contained_html(tmp_path):
     )
     markdown, page = report.markdown(), report.html()
     assert "| method | eps | seeds | accuracy % | NLL | ECE |" in markdown
-    assert "| alpha | 8 | 3 | 52.0 ± 3.5 |" in markdown
+    # mean [95 % t interval]: 52.0 ± 4.30 * 3.46 / sqrt(3)
+    assert "| alpha | 8 | 3 | 52.0 [43.4, 60.6] |" in markdown
     assert "validation" in markdown  # the temperature-scaling note names its records
     assert "## Verdict" in markdown and report.verdict[0] in markdown
     assert set(report.figures) == {
@@ -171,14 +186,21 @@ def test_report_has_the_table_and_a_self_contained_html(tmp_path):
     }
     assert page.count('src="data:image/png;base64,') == len(report.figures)
     assert not re.search(r'(src|href)="(?!data:)', page)  # no external asset
-    assert "<td>52.0 ± 3.5</td>" in page and "<strong>alpha</strong>" in page
+    assert "<td>52.0 [43.4, 60.6]</td>" in page and "<strong>alpha</strong>" in page
     assert "(beta) are not drawn" in markdown  # beta logged no diagnostics
     # ... and has no row in the last epoch's diagnostics table
     assert "| method | eps | seeds | projected fraction | clamped-noise share of h |" in markdown
-    assert "| alpha | 8 | 3 | 0.670 ± 0.000 | - | 0.410 ± 0.010 | 0.0120 ± 0.0000 |" in markdown
+    assert (
+        "| alpha | 8 | 3 | 0.670 [0.670, 0.670] | - | 0.410 [0.385, 0.435] "
+        "| 0.0120 [0.0120, 0.0120] |"
+    ) in markdown
     assert "| beta | 8 | 3 | - |" not in markdown
     note = report.note()
-    assert report.verdict[2] in note and "| beta | 1 | 3 | 22.0 ± 2.0 |" in note
+    assert report.verdict[2] in note and "| beta | 1 | 3 | 22.0 [17.0, 27.0] |" in note
+    # every method against the best, paired by seed: beta trails alpha by 10 points at eps 1
+    assert "| 1 | accuracy (points) | alpha | beta | -10.0 | [-10.0, -10.0] |" in markdown
+    assert "| 3 | trails the best |" in markdown
+    assert "| 8 | accuracy (points) | beta | alpha | -2.0 |" in markdown
 
     files = write_report(report, tmp_path)
     assert (tmp_path / "report.md").read_text() == markdown

@@ -15,13 +15,15 @@ import torch
 import yaml
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
+from pydantic import ValidationError
 from torch import nn
 from typer.testing import CliRunner
 
 from dpivon.cli import app
-from dpivon.config import parse_config
+from dpivon.config import TrainConfig, parse_config
+from dpivon.errors import DpivonError
 from dpivon.optim.ivon import DPIVON, hessian_update, price_hessian
-from dpivon.privacy.accounting import epsilon_spent
+from dpivon.privacy.accounting import check_plan_reachable, classic_rdp_epsilon, epsilon_spent
 from dpivon.privacy.engine import make_private, plan_privacy
 from dpivon.privacy.noise import SeededRandomness
 from dpivon.privacy.sampling import PoissonBatches
@@ -281,3 +283,44 @@ def test_dp_ivon_variants_build_their_statistics_from_g_dp(optimizer):
         torch.testing.assert_close(state["hess"], expected)
     # g_dp is not the raw gradient: it carries noise of the planned level.
     assert setup.private.plan.grad_noise_std > 0
+
+
+def test_a_fixed_noise_multiplier_runs_as_given_and_must_fit_its_budget():
+    """Tramer & Boneh's run, like for like: sigma 1.54 for 48 x 30 = 1,440 steps at
+    q = 1,024 / 50,000 is epsilon 3.00 under their Opacus 0.13 conversion and 2.59 under
+    today's; the plan keeps that sigma and step count, and refuses a budget it exceeds."""
+    q = 1024 / 50_000
+    assert classic_rdp_epsilon(1.54, q, 1440, 1e-5) == pytest.approx(3.00, abs=0.005)
+    assert epsilon_spent(1.54, q, 1440, 1e-5, "rdp") == pytest.approx(2.59, abs=0.005)
+    common = dict(delta=1e-5, max_grad_norm=0.1, accountant="rdp", dataset_size=50_000)
+    plan = plan_privacy(
+        target_epsilon=3.0,
+        batch_size=1024,
+        epochs=30,
+        steps_per_epoch=48,
+        noise_multiplier=1.54,
+        **common,
+    )
+    assert (plan.noise_multiplier, plan.steps, plan.sample_rate) == (1.54, 1440, q)
+    with pytest.raises(DpivonError, match=r"spends epsilon 2\.59 .* above the budget epsilon 2"):
+        plan_privacy(
+            target_epsilon=2.0,
+            batch_size=1024,
+            epochs=30,
+            steps_per_epoch=48,
+            noise_multiplier=1.54,
+            **common,
+        )
+    # the same check before any data is loaded, from the config alone
+    config = TrainConfig.model_validate(
+        {"optimizer": "dp-sgd", "epsilon": 2.0, "fixed_noise_multiplier": 1.54,
+         "batch_size": 1024, "epochs": 30, "steps_per_epoch": 48, "val_size": 1}
+    )
+    with pytest.raises(DpivonError, match="above the budget"):
+        check_plan_reachable(config)
+    with pytest.raises(ValidationError, match="needs a finite epsilon"):
+        TrainConfig.model_validate(
+            {"optimizer": "dp-sgd", "epsilon": math.inf, "fixed_noise_multiplier": 1.0}
+        )
+    with pytest.raises(ValidationError, match="steps_per_epoch applies to private runs"):
+        TrainConfig.model_validate({"optimizer": "adam", "steps_per_epoch": 3})

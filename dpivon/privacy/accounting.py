@@ -12,7 +12,9 @@ import math
 import warnings
 from typing import get_args
 
+import numpy as np
 from opacus.accountants import create_accountant
+from opacus.accountants.analysis.rdp import compute_rdp
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from dpivon.config import AccountantName, TrainConfig
@@ -93,15 +95,46 @@ def check_reachable(
         )
 
 
+def check_fixed_noise_fits(
+    noise_multiplier: float,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str,
+) -> float:
+    """The epsilon a fixed ``noise_multiplier`` spends over the plan; DpivonError when that
+    exceeds ``target_epsilon`` (the budget the run is held to)."""
+    spent = epsilon_spent(noise_multiplier, sample_rate, steps, delta, accountant)
+    if spent > target_epsilon:
+        raise DpivonError(
+            f"noise_multiplier {noise_multiplier:g} spends epsilon {spent:.3g} ({accountant}, "
+            f"delta {delta:g}) over {steps} steps at sample rate {sample_rate:.4g}, above the "
+            f"budget epsilon {target_epsilon:g}; raise noise_multiplier or epsilon"
+        )
+    return spent
+
+
 def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> None:
-    """:func:`check_reachable` for a private run of ``config`` (at ``batch_size`` if given:
-    the largest of a search space), before any data is loaded."""
+    """For a private run of ``config`` (at ``batch_size`` if given: the largest of a search
+    space), before any data is loaded: :func:`check_reachable`, or for a fixed noise
+    multiplier :func:`check_fixed_noise_fits`."""
     batch = config.training.batch_size if batch_size is None else batch_size
     if not 0 < batch <= config.data.train_size:
         return  # no sampling rate; the batch checks say what is wrong
     sample_rate, steps_per_epoch = sampling_schedule(config.data.train_size, batch)
     privacy = config.privacy
-    steps = config.training.epochs * steps_per_epoch
+    steps = config.training.epochs * (config.training.steps_per_epoch or steps_per_epoch)
+    if privacy.fixed_noise_multiplier is not None:
+        check_fixed_noise_fits(
+            privacy.fixed_noise_multiplier,
+            privacy.epsilon,
+            privacy.delta,
+            sample_rate,
+            steps,
+            privacy.accountant,
+        )
+        return
     check_reachable(privacy.epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
 
 
@@ -116,6 +149,23 @@ def epsilon_spent(
     acc = create_accountant(mechanism=accountant)
     acc.history = [(noise_multiplier, sample_rate, steps)]
     return float(acc.get_epsilon(delta=delta))
+
+
+# The RDP orders of Opacus 0.13, which published runs of 2020-2021 (Tramer & Boneh) used.
+CLASSIC_RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+
+
+def classic_rdp_epsilon(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float
+) -> float:
+    """Epsilon under the RDP-to-(epsilon, delta) conversion of Opacus before 1.0 (Mironov
+    2017, Proposition 3: min over orders of rdp + log(1/delta) / (order - 1)), looser than
+    today's (Balle et al. 2020): how papers of that time quoted their runs."""
+    rdp = compute_rdp(
+        q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=CLASSIC_RDP_ORDERS
+    )
+    orders = np.asarray(CLASSIC_RDP_ORDERS)
+    return float(np.min(rdp + math.log(1 / delta) / (orders - 1)))
 
 
 def check_budget(epsilon: float, delta: float, dataset_size: int | None = None) -> None:

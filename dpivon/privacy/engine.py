@@ -40,6 +40,7 @@ from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
     check_budget,
+    check_fixed_noise_fits,
     sampling_schedule,
 )
 from dpivon.privacy.bookkeeping import (
@@ -112,11 +113,15 @@ def plan_privacy(
     dataset_size: int,
     batch_size: int,
     epochs: int,
+    steps_per_epoch: int | None = None,
+    noise_multiplier: float | None = None,
 ) -> PrivacyPlan:
-    """Calibrate sigma_p so that ``epochs`` epochs spend at most ``target_epsilon``.
+    """Calibrate sigma_p so that ``epochs`` epochs spend at most ``target_epsilon``, or
+    check that a fixed ``noise_multiplier`` does.
 
-    q = b / N exactly; an epoch is ceil(N / b) steps (at least one pass in expectation).
-    Raises DpivonError for a budget or a batch that means nothing.
+    q = b / N exactly; an epoch is ``steps_per_epoch`` steps, by default ceil(N / b) (at
+    least one pass in expectation). Raises DpivonError for a budget or a batch that means
+    nothing, or fixed noise above the budget.
     """
     check_budget(target_epsilon, delta, dataset_size)
     if not 0 < batch_size <= dataset_size:
@@ -127,9 +132,16 @@ def plan_privacy(
         raise DpivonError(f"max_grad_norm (clip norm C) must be > 0, got {max_grad_norm}")
     if epochs < 1:
         raise DpivonError(f"epochs must be >= 1, got {epochs}")
-    sample_rate, steps_per_epoch = sampling_schedule(dataset_size, batch_size)
+    sample_rate, one_pass = sampling_schedule(dataset_size, batch_size)
+    steps_per_epoch = one_pass if steps_per_epoch is None else steps_per_epoch
     steps = epochs * steps_per_epoch
-    sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
+    if noise_multiplier is None:
+        sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
+    else:
+        check_fixed_noise_fits(
+            noise_multiplier, target_epsilon, delta, sample_rate, steps, accountant
+        )
+        sigma = noise_multiplier
     return PrivacyPlan(
         target_epsilon=target_epsilon,
         delta=delta,

@@ -3,7 +3,8 @@
 A `RunRecord` is what the report needs of one finished run: its final metrics, its
 per-epoch diagnostics (read from the MLflow metric history, so whatever `train` logged;
 non-IVON methods simply have none) and its test reliability bins. Aggregation is over the
-seeds of each (method, epsilon): mean and sample standard deviation (ddof 1).
+seeds of each (method, epsilon): mean, sample standard deviation (ddof 1) and the 95 % t
+interval of the mean; comparisons test per-seed differences (`dpivon.study.significance`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ import pandas as pd
 
 from dpivon.metrics import ReliabilityDiagram
 from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
+from dpivon.study.significance import (
+    UNKNOWN,
+    Difference,
+    Interval,
+    mean_interval,
+    seed_difference,
+    verdict_word,
+)
 from dpivon.tracking.client import Tracker
 
 # What the results table aggregates, with the direction in which each improves.
@@ -149,9 +158,11 @@ def aggregate(
     records: Sequence[RunRecord], method_order: Sequence[str] | None = None
 ) -> pd.DataFrame:
     """Per (method, epsilon): ``n`` seeds, the training images (the seeds share the split)
-    and ``<column>_mean`` / ``<column>_std`` for each column of SUMMARISED.
+    and ``<column>_mean``, ``<column>_std``, ``<column>_ci_low`` / ``_ci_high`` for each
+    column of SUMMARISED.
 
-    The std is the sample standard deviation over seeds (NaN with one seed). Rows follow
+    The std is the sample standard deviation over seeds, the interval the 95 % t interval of
+    the mean (`dpivon.study.significance`); both NaN with one seed. Rows follow
     ``method_order`` (else first appearance), then epsilon ascending (inf last).
     """
     frame = records_frame(records)
@@ -170,6 +181,8 @@ def aggregate(
             row[f"{metric}_mean"] = float(np.mean(values))
             spread = len(values) > 1 and np.isfinite(values).all()
             row[f"{metric}_std"] = float(np.std(values, ddof=1)) if spread else math.nan
+            interval = mean_interval(values) if spread else UNKNOWN
+            row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = interval.low, interval.high
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:
@@ -182,48 +195,59 @@ def aggregate(
 
 @dataclass(frozen=True)
 class Comparison:
-    """The best and runner-up methods at one epsilon on one metric."""
+    """The best and runner-up methods at one epsilon on one metric, and the difference
+    between them over the seeds (best minus runner-up)."""
 
     metric: str
     epsilon: float
     best: str
     best_mean: float
-    best_std: float
+    best_interval: Interval
     second: str | None
     second_mean: float
-    second_std: float
+    second_interval: Interval
+    difference: Difference | None  # None without a runner-up
 
     @property
     def gap(self) -> float:
         return abs(self.best_mean - self.second_mean)
 
     @property
-    def beyond_spread(self) -> bool | None:
-        """True when the gap exceeds best std + runner-up std (their mean ± std intervals do
-        not overlap); None when a std is unknown (one seed)."""
-        spread = self.best_std + self.second_std
-        return None if math.isnan(spread) else bool(self.gap > spread)
+    def word(self) -> str:
+        """``leads`` (the difference's interval excludes 0), ``indistinguishable`` or
+        ``unknown`` (one seed), from :func:`dpivon.study.significance.verdict_word`."""
+        if self.difference is None:
+            return "unknown"
+        return verdict_word(self.difference, SUMMARISED[self.metric])
 
 
-def compare(table: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
-    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from SUMMARISED)."""
-    rows = table[(table["epsilon"] == epsilon) & table[f"{metric}_mean"].notna()]
-    if rows.empty:
+def seed_values(runs: pd.DataFrame, method: str, epsilon: float, metric: str) -> dict[int, float]:
+    """One method's ``metric`` at ``epsilon`` by seed, from a :func:`records_frame`."""
+    rows = runs[(runs["method"] == method) & (runs["epsilon"] == epsilon)]
+    return {int(r): float(v) for r, v in zip(rows["replicate"], rows[metric], strict=True)}
+
+
+def compare(runs: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
+    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from SUMMARISED) over
+    the runs of a :func:`records_frame`, with their difference's interval and test."""
+    at = runs[(runs["epsilon"] == epsilon) & runs[metric].notna()]
+    if at.empty:
         return None
-    ranked = rows.sort_values(
-        f"{metric}_mean", ascending=SUMMARISED[metric] == "min", kind="mergesort"
-    )
-    best = ranked.iloc[0]
-    second = ranked.iloc[1] if len(ranked) > 1 else None
+    means = at.groupby("method", sort=False)[metric].mean()
+    ranked = means.sort_values(ascending=SUMMARISED[metric] == "min", kind="mergesort")
+    values = {m: seed_values(at, m, epsilon, metric) for m in ranked.index}
+    best = str(ranked.index[0])
+    second = str(ranked.index[1]) if len(ranked) > 1 else None
     return Comparison(
         metric,
         epsilon,
-        str(best["method"]),
-        float(best[f"{metric}_mean"]),
-        float(best[f"{metric}_std"]),
-        None if second is None else str(second["method"]),
-        math.nan if second is None else float(second[f"{metric}_mean"]),
-        math.nan if second is None else float(second[f"{metric}_std"]),
+        best,
+        float(ranked.iloc[0]),
+        mean_interval(list(values[best].values())),
+        second,
+        math.nan if second is None else float(ranked.iloc[1]),
+        UNKNOWN if second is None else mean_interval(list(values[second].values())),
+        None if second is None else seed_difference(values[best], values[second]),
     )
 
 

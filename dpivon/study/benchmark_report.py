@@ -27,11 +27,13 @@ import pandas as pd
 
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.study.aggregate import (
+    SUMMARISED,
     Comparison,
     RunRecord,
     aggregate,
     compare,
     records_frame,
+    seed_values,
     verdict_epsilons,
 )
 from dpivon.study.figures import (
@@ -41,6 +43,7 @@ from dpivon.study.figures import (
     plot_pooled_reliability,
     png_bytes,
 )
+from dpivon.study.significance import Interval, seed_difference, verdict_word
 from dpivon.tracking.client import Tracker
 
 REPORT_MD = "report.md"
@@ -48,10 +51,11 @@ REPORT_HTML = "report.html"
 FIGURES = "figures"
 RESULTS_CSV = "results.csv"
 RUNS_CSV = "runs.csv"
-SPREAD_RULE = (
-    '"Beyond the seeds\' spread" means the gap between the two means exceeds the sum of '
-    "their standard deviations over seeds (the mean ± std intervals do not overlap); with "
-    "3 seeds this is a screen, not a significance test."
+STATISTICS_RULE = (
+    "Intervals are 95 % t intervals over seeds. Two methods are compared by their per-seed "
+    "differences (paired t-test over the seeds they share, else Welch's t-test): a method "
+    '"leads" only where the 95 % interval of the difference excludes 0; otherwise the two '
+    'are "indistinguishable" at that number of seeds (`dpivon.study.significance`).'
 )
 TEMPERATURE_NOTE = (
     "NLL (TS) and ECE (TS) are after post-hoc temperature scaling (`dpivon.calibration`): "
@@ -85,7 +89,8 @@ _DIAGNOSTIC_COLUMNS = (
     ("last_posterior_std_median", "median posterior std", 1.0, 4),
 )
 DIAGNOSTICS_NOTE = (
-    "At the last epoch, mean ± std over seeds (`dpivon.optim.ivon.DPIVON` documents them): "
+    "At the last epoch, mean [95 % interval] over seeds (`dpivon.optim.ivon.DPIVON` documents "
+    "them): "
     "projected fraction, the epoch's mean share of coordinates whose noise-corrected v_hat "
     "was negative and projected to zero (the curvature collapse); clamped-noise share of h, "
     "the median over coordinates of the share of h that the clamped noise alone would give "
@@ -189,8 +194,8 @@ class Report:
         """The parent run's description: verdict, rule and table, in Markdown."""
         verdict = "\n".join(f"- {line}" for line in self.verdict)
         return (
-            f"**{self.title}**\n\n{verdict}\n\n{SPREAD_RULE}\n\n{self.results_markdown()}\n\n"
-            f"Mean ± std over seeds. {TEMPERATURE_NOTE} Full report: artifact "
+            f"**{self.title}**\n\n{verdict}\n\n{STATISTICS_RULE}\n\n{self.results_markdown()}\n\n"
+            f"Mean [95 % interval] over seeds. {TEMPERATURE_NOTE} Full report: artifact "
             f"`report/{REPORT_HTML}`."
         )
 
@@ -246,20 +251,25 @@ class Report:
 # --- numbers ---------------------------------------------------------------------------------
 
 
-def mean_std(mean: float, std: float, scale: float = 1.0, decimals: int = 3) -> str:
-    """``mean ± std`` (scaled); ``inf`` and missing values spelled out."""
+def mean_with_interval(
+    mean: float, low: float, high: float, scale: float = 1.0, decimals: int = 3
+) -> str:
+    """``mean [low, high]`` (scaled); ``inf`` and missing values spelled out, the interval
+    left out when it is unknown (one seed)."""
     if math.isnan(mean):
         return "-"
     if math.isinf(mean):
         return "inf"
     text = f"{mean * scale:.{decimals}f}"
-    return text if math.isnan(std) else f"{text} ± {std * scale:.{decimals}f}"
+    if math.isnan(low) or math.isnan(high):
+        return text
+    return f"{text} [{low * scale:.{decimals}f}, {high * scale:.{decimals}f}]"
 
 
 def results_rows(
     table: pd.DataFrame, columns: Sequence[tuple[str, str, float, int]] = _COLUMNS
 ) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of a table of ``columns`` (mean ± std over seeds)."""
+    """Header and rows of a table of ``columns`` (mean [95 % interval] over seeds)."""
     header = ["method", "eps", "seeds", *(h for _, h, _, _ in columns)]
     rows = [
         [
@@ -267,7 +277,9 @@ def results_rows(
             f"{row['epsilon']:g}",
             str(int(row["n"])),
             *(
-                mean_std(row[f"{c}_mean"], row[f"{c}_std"], scale, decimals)
+                mean_with_interval(
+                    row[f"{c}_mean"], row[f"{c}_ci_low"], row[f"{c}_ci_high"], scale, decimals
+                )
                 for c, _, scale, decimals in columns
             ),
         ]
@@ -276,47 +288,106 @@ def results_rows(
     return header, rows
 
 
-def _comparison_text(
-    c: Comparison | None, scale: float, decimals: int, unit: str, gap_words: str
-) -> str | None:
+def _interval_text(interval: Interval, scale: float, decimals: int) -> str:
+    return f"[{interval.low * scale:.{decimals}f}, {interval.high * scale:.{decimals}f}]"
+
+
+def _difference_text(c: Comparison, scale: float, decimals: int, unit: str) -> str:
+    d = c.difference
+    if not d.interval.known:
+        return f"{abs(d.mean) * scale:.{decimals}f}{unit} apart, one seed: no interval"
+    return (
+        f"difference {d.mean * scale:.{decimals}f}{unit}, 95 % CI "
+        f"{_interval_text(d.interval, scale, decimals)}, {d.test_name} p = {d.p_value:.2g}, "
+        f"{d.seeds} seeds"
+    )
+
+
+def _comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str) -> str | None:
+    """The best method on one metric and how it stands against the runner-up, in the words
+    the difference's interval allows (see STATISTICS_RULE)."""
     if c is None:
         return None
-    best = f"**{c.best}** ({mean_std(c.best_mean, c.best_std, scale, decimals)}{unit})"
+    best = f"**{c.best}** ({c.best_mean * scale:.{decimals}f}{unit})"
     if c.second is None:
         return f"{best}, the only method"
-    spread = {
-        True: "beyond the seeds' spread",
-        False: "within the seeds' spread",
-        None: "one seed: the spread is unknown",
-    }[c.beyond_spread]
-    second = f"{c.second} ({mean_std(c.second_mean, c.second_std, scale, decimals)}{unit})"
-    return f"{best}, {c.gap * scale:.{decimals}f} {gap_words} {second}, {spread}"
+    second = f"{c.second} ({c.second_mean * scale:.{decimals}f}{unit})"
+    detail = _difference_text(c, scale, decimals, unit)
+    if c.word == "leads":
+        return f"{best} leads {second}: {detail}"
+    if c.word == "unknown":
+        return f"{best} ahead of {second} on the means, {detail}"
+    n = c.difference.seeds
+    return f"{best} and {second} are indistinguishable at {n} seeds: {detail}"
 
 
-def verdict_lines(table: pd.DataFrame) -> list[str]:
-    """Per extreme epsilon: who has the best mean accuracy, NLL and ECE, and whether the
-    margin over the runner-up exceeds the seeds' spread (see SPREAD_RULE); then, where runs
-    logged curvature diagnostics, which method collapses least at the last epoch."""
+def verdict_lines(runs: pd.DataFrame) -> list[str]:
+    """Per extreme epsilon: who has the best mean accuracy, NLL and ECE, and whether it
+    leads the runner-up or is indistinguishable from it (see STATISTICS_RULE); then, where
+    runs logged curvature diagnostics, which method collapses least at the last epoch.
+    ``runs`` is one row per run (:func:`dpivon.study.aggregate.records_frame`)."""
     lines = []
-    for eps in verdict_epsilons(table):
-        accuracy = _comparison_text(
-            compare(table, "test_accuracy", eps), 100.0, 1, " %", "points above"
-        )
-        nll = _comparison_text(compare(table, "test_nll", eps), 1.0, 3, "", "below")
-        ece = _comparison_text(compare(table, "test_ece", eps), 1.0, 3, "", "below")
+    for eps in verdict_epsilons(runs):
+        accuracy = _comparison_text(compare(runs, "test_accuracy", eps), 100.0, 1, " points")
+        nll = _comparison_text(compare(runs, "test_nll", eps), 1.0, 3, "")
+        ece = _comparison_text(compare(runs, "test_ece", eps), 1.0, 3, "")
         lines.append(
             f"epsilon {eps:g}: best mean test accuracy {accuracy}; "
             f"lowest mean test NLL {nll}; lowest mean test ECE {ece}."
         )
-        collapse = _comparison_text(
-            compare(table, "last_projected_fraction", eps), 1.0, 3, "", "below"
-        )
+        collapse = _comparison_text(compare(runs, "last_projected_fraction", eps), 1.0, 3, "")
         if collapse is not None:
             lines.append(
                 f"epsilon {eps:g}: least curvature collapse (lowest fraction of v_hat "
                 f"projected to zero at the last epoch) {collapse}."
             )
     return lines
+
+
+# (column, header, scale, decimals) of the paired-differences table
+_DIFFERENCE_METRICS = (
+    ("test_accuracy", "accuracy (points)", 100.0, 1),
+    ("test_nll", "NLL", 1.0, 3),
+    ("test_ece", "ECE", 1.0, 3),
+    ("test_ts_nll", "NLL (TS)", 1.0, 3),
+    ("test_ts_ece", "ECE (TS)", 1.0, 3),
+)
+
+
+def difference_rows(
+    runs: pd.DataFrame, methods: Sequence[str]
+) -> tuple[list[str], list[list[str]]]:
+    """Every method against the best one, per epsilon and metric: the difference (method
+    minus best), its 95 % interval, the test's p-value, the seeds and the verdict word."""
+    header = ["eps", "metric", "best", "method", "difference", "95 % CI", "p", "seeds", "verdict"]
+    rows = []
+    for eps in sorted(set(runs["epsilon"])):
+        for metric, label, scale, decimals in _DIFFERENCE_METRICS:
+            comparison = compare(runs, metric, eps)
+            if comparison is None or comparison.second is None:
+                continue
+            best = comparison.best
+            reference = seed_values(runs, best, eps, metric)
+            for method in methods:
+                values = seed_values(runs, method, eps, metric)
+                if method == best or not values:
+                    continue
+                d = seed_difference(values, reference)
+                word = verdict_word(d, SUMMARISED[metric])
+                rows.append(
+                    [
+                        f"{eps:g}",
+                        label,
+                        best,
+                        method,
+                        f"{d.mean * scale:+.{decimals}f}",
+                        _interval_text(d.interval, scale, decimals) if d.interval.known else "-",
+                        "-" if math.isnan(d.p_value) else f"{d.p_value:.2g}",
+                        str(d.seeds),
+                        "trails the best" if word == "trails" else word,
+                    ]
+                )
+    return header, rows
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -327,9 +398,9 @@ def _results_blocks(
 ) -> list[Block]:
     """The settings, the verdict, the results table with its notes, the failed runs."""
     blocks: list[Block] = [Bullets(list(settings))] if settings else []
-    blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(SPREAD_RULE)]
+    blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(STATISTICS_RULE)]
     blocks += [
-        Heading("Results (mean ± std over seeds)"),
+        Heading("Results (mean [95 % interval] over seeds)"),
         TableBlock(*results_rows(table)),
         Paragraph(TEMPERATURE_NOTE),
         Paragraph(COLUMN_NOTE),
@@ -444,11 +515,19 @@ def build_report(
     """
     methods = list(method_order or dict.fromkeys(r.method for r in records))
     table = aggregate(records, methods)
-    verdict = verdict_lines(table) if not table.empty else ["no run finished"]
+    runs = records_frame(records)
+    verdict = verdict_lines(runs) if not table.empty else ["no run finished"]
     blocks = _results_blocks(table, verdict, settings, failed or {})
-    report = Report(title, blocks, table, records_frame(records), verdict)
+    report = Report(title, blocks, table, runs, verdict)
     if table.empty:
         return report
+    differences = difference_rows(runs, methods)
+    if differences[1]:
+        report.blocks += [
+            Heading("Paired differences against the best method (test)"),
+            TableBlock(*differences),
+            Paragraph(STATISTICS_RULE),
+        ]
     _add_metric_curves(report, methods)
     _add_reliability_diagrams(report, records, methods)
     _add_diagnostics(report, records, methods)

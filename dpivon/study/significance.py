@@ -1,0 +1,112 @@
+"""How sure a comparison over seeds is: 95 % t intervals of means and of differences.
+
+A benchmark runs each (method, epsilon) on a few seeds that every method shares (the seeds
+name replicates: same split, each run's own initialisation, batches and noise). Two methods
+are compared by their per-seed differences (a paired t-test, ``scipy.stats.ttest_rel``) when
+they share at least two seeds, else by Welch's t-test (``ttest_ind(equal_var=False)``).
+The words a report may use follow from the interval of the difference: a method *leads*
+only where that interval excludes 0; otherwise the two are *indistinguishable* at that
+number of seeds. With 2 seeds the t quantile is 12.7, so only a gap many times the seeds'
+spread is a lead: that is what 2 seeds can say.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A two-sided 95 % interval; NaN bounds when it is unknown (fewer than two values)."""
+
+    low: float
+    high: float
+
+    @property
+    def known(self) -> bool:
+        return not (math.isnan(self.low) or math.isnan(self.high))
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.known and (self.low > 0 or self.high < 0)
+
+
+UNKNOWN = Interval(math.nan, math.nan)
+
+
+def _finite(values: Sequence[float]) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    return array[np.isfinite(array)]
+
+
+def mean_interval(values: Sequence[float]) -> Interval:
+    """The t interval of the mean of ``values`` (the finite ones)."""
+    finite = _finite(values)
+    if len(finite) < 2:
+        return UNKNOWN
+    with warnings.catch_warnings():  # identical values: scipy warns, the interval is a point
+        warnings.simplefilter("ignore", RuntimeWarning)
+        interval = stats.ttest_1samp(finite, 0.0).confidence_interval(CONFIDENCE)
+    return Interval(float(interval.low), float(interval.high))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """``first - second`` over seeds: its mean, 95 % interval, p-value and how it was tested."""
+
+    mean: float
+    interval: Interval
+    p_value: float
+    seeds: int  # the shared seeds (paired), else the smaller of the two counts
+    paired: bool
+
+    @property
+    def test_name(self) -> str:
+        return "paired t-test" if self.paired else "Welch t-test"
+
+
+def seed_difference(first: Mapping[int, float], second: Mapping[int, float]) -> Difference:
+    """``first - second``, each a mapping of seed -> value: paired over the shared seeds
+    when there are two or more, else Welch's test over all finite values of each."""
+    shared = sorted(s for s in set(first) & set(second) if np.isfinite([first[s], second[s]]).all())
+    with warnings.catch_warnings():  # a constant difference: scipy warns, the test is exact
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if len(shared) >= 2:
+            a = np.array([first[s] for s in shared])
+            b = np.array([second[s] for s in shared])
+            result = stats.ttest_rel(a, b)
+            return _difference(float(np.mean(a - b)), result, len(shared), paired=True)
+        a, b = _finite(list(first.values())), _finite(list(second.values()))
+        if len(a) < 2 or len(b) < 2:
+            mean = float(np.mean(a) - np.mean(b)) if len(a) and len(b) else math.nan
+            return Difference(mean, UNKNOWN, math.nan, min(len(a), len(b)), paired=False)
+        result = stats.ttest_ind(a, b, equal_var=False)
+        return _difference(float(np.mean(a) - np.mean(b)), result, min(len(a), len(b)), False)
+
+
+def _difference(mean: float, result, seeds: int, paired: bool) -> Difference:
+    interval = result.confidence_interval(CONFIDENCE)
+    low, high = float(interval.low), float(interval.high)
+    if math.isnan(low) and np.isfinite(mean):  # zero spread: the difference is exact
+        low = high = mean
+    return Difference(mean, Interval(low, high), float(result.pvalue), seeds, paired)
+
+
+def verdict_word(difference: Difference, better: str) -> str:
+    """``leads`` where the interval excludes 0 on the better side (``better`` is "max" or
+    "min" for the metric), ``trails`` where it excludes 0 on the other side, else
+    ``indistinguishable``; ``unknown`` without an interval."""
+    if not difference.interval.known:
+        return "unknown"
+    if not difference.interval.excludes_zero:
+        return "indistinguishable"
+    ahead = difference.mean > 0 if better == "max" else difference.mean < 0
+    return "leads" if ahead else "trails"

@@ -1,0 +1,77 @@
+"""The statistics of a comparison over seeds (`dpivon.study.significance`) against scipy's
+tests computed here, and the verdict words they allow."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpivon.study.aggregate import RunRecord, compare, records_frame
+from dpivon.study.benchmark_report import verdict_lines
+from dpivon.study.significance import mean_interval, seed_difference, verdict_word
+
+
+def _records(accuracies: dict[str, list[float]]) -> list[RunRecord]:
+    return [
+        RunRecord(
+            method=method,
+            optimizer="dp-sgd",
+            epsilon=3.0,
+            replicate=seed,
+            metrics={"test_accuracy": value, "test_nll": 1.0, "test_ece": 0.1},
+        )
+        for method, values in accuracies.items()
+        for seed, value in enumerate(values)
+    ]
+
+
+def test_two_seeds_one_point_apart_with_a_spread_of_half_a_point_are_indistinguishable():
+    # 1 point apart on the means, seed-to-seed spread 0.5 points (per-seed differences
+    # 0.5 and 1.5): t(0.975, 1) = 12.7 makes the interval about ±6.4 points
+    runs = records_frame(_records({"a": [0.600, 0.610], "b": [0.595, 0.595]}))
+    comparison = compare(runs, "test_accuracy", 3.0)
+    assert (comparison.best, comparison.second) == ("a", "b")
+    assert comparison.gap == pytest.approx(0.01)
+    assert comparison.word == "indistinguishable"
+    assert "are indistinguishable at 2 seeds" in verdict_lines(runs)[0]
+    assert "leads" not in verdict_lines(runs)[0]
+
+
+def test_five_seeds_one_point_apart_with_a_spread_of_five_hundredths_are_a_lead():
+    rng = np.random.default_rng(0)
+    b = 0.60 + rng.normal(0.0, 0.01, 5)
+    a = b + 0.01 + rng.normal(0.0, 0.0005, 5)  # differences 1 ± 0.05 points
+    runs = records_frame(_records({"a": list(a), "b": list(b)}))
+    comparison = compare(runs, "test_accuracy", 3.0)
+    assert comparison.word == "leads"
+    assert comparison.difference.interval.low > 0
+    assert "**a** (" in verdict_lines(runs)[0] and ") leads b (" in verdict_lines(runs)[0]
+
+
+def test_the_paired_difference_is_scipys_paired_t_test():
+    a, b = {0: 0.51, 1: 0.55, 2: 0.50, 3: 0.56}, {0: 0.50, 1: 0.52, 2: 0.50, 3: 0.52}
+    d = seed_difference(a, b)
+    reference = stats.ttest_rel(list(a.values()), list(b.values()))
+    interval = reference.confidence_interval(0.95)
+    assert d.paired and d.seeds == 4
+    assert d.p_value == pytest.approx(reference.pvalue)
+    assert (d.interval.low, d.interval.high) == pytest.approx((interval.low, interval.high))
+    assert d.mean == pytest.approx(0.02)
+    # pairing matters: the same values with seeds that do not match go to Welch's test
+    welch = seed_difference(a, {10 + s: v for s, v in b.items()})
+    reference = stats.ttest_ind(list(a.values()), list(b.values()), equal_var=False)
+    assert not welch.paired and welch.p_value == pytest.approx(reference.pvalue)
+
+
+def test_mean_interval_and_words():
+    low, high = mean_interval([1.0, 2.0, 3.0]).low, mean_interval([1.0, 2.0, 3.0]).high
+    half = stats.t.ppf(0.975, 2) * 1.0 / math.sqrt(3)
+    assert (low, high) == pytest.approx((2.0 - half, 2.0 + half))
+    assert not mean_interval([1.0]).known
+    # a lower-is-better metric: a negative difference excluding 0 is a lead
+    ahead = seed_difference({0: 0.10, 1: 0.11, 2: 0.12}, {0: 0.20, 1: 0.22, 2: 0.21})
+    assert verdict_word(ahead, "min") == "leads" and verdict_word(ahead, "max") == "trails"
+    assert verdict_word(seed_difference({0: 0.1}, {0: 0.2}), "min") == "unknown"
