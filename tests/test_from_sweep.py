@@ -92,4 +92,12 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
     parent = next(r for r in runs if r.data.tags.get("dpivon.kind") == "benchmark")
     report = benchmark.storage.read_text("report/report.md")
     assert "Pareto fronts of the tuning sweeps" in report
+    # the pick's tuning score and its space's dimension travel to the report
+    assert {r.tuning_score for r in benchmark.runs if r.method == "dp-sgd-tuned"} == {
+        ("val_accuracy", row["val_accuracy"])
+    }
+    dimension = sweep.spaces["dp-sgd"].dimension
+    assert f"eps8-dp-sgd/{row['trial_id']} | {dimension} |" in report
+    assert "| dp-sgd-fixed | dp-sgd |" in report and "fixed hyper-parameters | - |" in report
+    assert "1 tuned pick(s): too few to say whether the tuning predicted" in report
     assert parent.info.status == "FINISHED"

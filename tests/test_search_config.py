@@ -814,3 +814,78 @@ def test_a_studys_gpu_version_trains_exactly_its_runs(gpu_file):
     assert [(r.key, r.config.flat(), r.tuned_by) for r in gpu.runs] == [
         (r.key, r.config.flat(), r.tuned_by) for r in cpu.runs
     ]
+
+
+# -- start points and the sampler's random phase (issue 27) ------------------------------------
+
+START_SPACE = """\
+optimizer: dp-sgd
+params:
+  lr: {type: float, low: 0.25, high: 4.0, log: true}
+  max_grad_norm: {type: float, low: 0.025, high: 0.4, log: true}
+  use_nesterov: {type: categorical, choices: [false, true]}
+  nesterov: {type: categorical, choices: [true], when: {use_nesterov: true}}
+  momentum: 0.9
+start:
+  - {lr: 1.0, max_grad_norm: 0.1, use_nesterov: false}
+  - {lr: 2.0, max_grad_norm: 0.05, use_nesterov: true, nesterov: true}
+"""
+
+
+def test_start_points_run_first_then_tpe_after_a_third_of_the_budget(tmp_path):
+    from dpivon.search.groups import group_search, sweep_groups
+
+    _write(tmp_path / "pipes/spaces/dp-sgd.yaml", START_SPACE)
+    _write(tmp_path / "pipes/spaces/dp-adam.yaml", ADAM_SPACE)
+    data = {**_pipeline_dict(), "trials": 16}
+    pipeline = load_pipeline(_write(tmp_path / "pipes/p.yaml", yaml.safe_dump(data)))
+    assert pipeline.spaces["dp-sgd"].dimension == 4  # three sampled and one switch
+    assert pipeline.spaces["dp-adam"].dimension == 2
+    assert pipeline.startup_trials == 5  # a third of 16, not Optuna's 10
+    assert pipeline.random_phase_note() is None
+    counts = pipeline.trial_counts()
+    (group, _) = sweep_groups(pipeline, {"eps8-dp-sgd": 8.0, "eps8-dp-adam": 8.0}, counts)
+    search = group_search(pipeline, group)
+    assert search._ot_study.sampler._n_startup_trials == 5
+    first, second, third = (search.suggest(f"t{i}") for i in range(3))
+    assert (first["lr"], first["max_grad_norm"], first["use_nesterov"]) == (1.0, 0.1, False)
+    assert "nesterov" not in first
+    assert (second["lr"], second["nesterov"]) == (2.0, True)
+    assert (third["lr"], third["max_grad_norm"]) != (1.0, 0.1)  # then the sampler draws
+    # the start points are tried before any random draw: not the random-trials bound's
+    # identical draws
+    assert "start points are tried first" in " ".join(
+        pipeline.conditions.random_trials_obstacles()
+    )
+
+
+def test_a_budget_left_in_the_random_phase_says_so(tmp_path):
+    _write(tmp_path / "pipes/spaces/dp-sgd.yaml", START_SPACE)
+    _write(tmp_path / "pipes/spaces/dp-adam.yaml", ADAM_SPACE)
+    for trials, sampler, said in ((2, "tpe", True), (3, "tpe", False), (16, "nsga2", True),
+                                  (4, "random", False)):
+        data = {**_pipeline_dict(), "trials": trials, "sampler": sampler}
+        pipeline = load_pipeline(_write(tmp_path / "pipes/p.yaml", yaml.safe_dump(data)))
+        note = pipeline.random_phase_note()
+        assert (note is not None) == said, (trials, sampler, note)
+        if (trials, sampler) == (2, "tpe"):  # one random start, then the two start points
+            assert "dp-sgd has 2 start point(s)" in note and "\n" not in note
+
+
+@pytest.mark.parametrize(
+    ("start", "message"),
+    [
+        ("[{lr: 9.0, max_grad_norm: 0.1, use_nesterov: false}]", "start.0.lr: 9.0 is outside"),
+        ("[{lr: 1.0, use_nesterov: false}]", "gives no value for the active max_grad_norm"),
+        ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, nesterov: true}]",
+         "sets nesterov, inactive at this point"),
+        ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, momentum: 0.5}]",
+         "'momentum' is a fixed value"),
+        ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: 1}]", "use_nesterov: 1 is outside"),
+    ],
+)
+def test_a_bad_start_point_is_one_clear_error(tmp_path, start, message):
+    text = START_SPACE.split("start:")[0] + f"start: {start}\n"
+    path = _write(tmp_path / "s.yaml", text)
+    line = one_line_refusal(load_search_space, path)
+    assert message in line and str(path) in line

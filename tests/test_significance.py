@@ -75,3 +75,43 @@ def test_mean_interval_and_words():
     ahead = seed_difference({0: 0.10, 1: 0.11, 2: 0.12}, {0: 0.20, 1: 0.22, 2: 0.21})
     assert verdict_word(ahead, "min") == "leads" and verdict_word(ahead, "max") == "trails"
     assert verdict_word(seed_difference({0: 0.1}, {0: 0.2}), "min") == "unknown"
+
+
+def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
+    from dpivon.study.aggregate import aggregate
+    from dpivon.study.benchmark_report import build_report, transfer_checks
+
+    finals = {"a": [0.60, 0.61], "b": [0.55, 0.56], "c": [0.50, 0.52], "d": [0.45, 0.44]}
+
+    def scores(metric: str, values: list[float]) -> dict[tuple[str, float], tuple[str, float]]:
+        return {(m, 3.0): (metric, v) for m, v in zip("abcd", values, strict=True)}
+
+    records = _records(finals)
+    table = aggregate(records)
+    # the tuning ranked them in reverse: d best, a worst
+    reversed_scores = scores("val_accuracy", [0.1, 0.2, 0.3, 0.4])
+    ((eps, metric, pairs, agreement),) = transfer_checks(table, reversed_scores)
+    assert (eps, metric, agreement.items) == (3.0, "val_accuracy", 4)
+    final_means = [pairs[m][1] for m in "abcd"]
+    reference = stats.spearmanr([0.1, 0.2, 0.3, 0.4], final_means)
+    assert agreement.spearman == pytest.approx(reference.statistic) == pytest.approx(-1.0)
+    assert agreement.kendall == pytest.approx(stats.kendalltau([1, 2, 3, 4], [4, 3, 2, 1])[0])
+    assert agreement.word == "did not predict"
+    report = build_report("t", records, tuning_scores=reversed_scores)
+    assert any("the tuning did not predict the final ranking" in line for line in report.verdict)
+    assert "## Did the tuning predict the final runs?" in report.markdown()
+    # the same order in tuning and final: a perfect agreement of 4 picks, p = 0.083 (Kendall):
+    # not significant at 4
+    same = scores("val_accuracy", [0.4, 0.3, 0.2, 0.1])
+    ((_, _, _, agreement),) = transfer_checks(table, same)
+    assert agreement.kendall == pytest.approx(1.0)
+    assert agreement.word == "agreed, not significantly"
+    # a lower-is-better objective is turned around before ranking: ECE 0.1 is the best
+    ece = scores("val_ece", [0.1, 0.2, 0.3, 0.4])
+    records_ece = [
+        RunRecord(r.method, r.optimizer, r.epsilon, r.replicate,
+                  {**r.metrics, "test_ece": 1 - r.metrics["test_accuracy"]})
+        for r in records
+    ]
+    ((_, _, _, agreement),) = transfer_checks(aggregate(records_ece), ece)
+    assert agreement.spearman == pytest.approx(1.0)

@@ -232,6 +232,7 @@ class SweepConditions:
     adaptive_sampler: bool  # hyper-parameters chosen from earlier results (TPE, NSGA-II)
     adaptive_scheduler: bool  # trials stopped or paused on their metrics (ASHA)
     release: str = "front"
+    start_points: bool = False  # given points tried before any random draw
 
     def __post_init__(self) -> None:
         if self.trial_count not in TRIAL_COUNTS:
@@ -257,6 +258,8 @@ class SweepConditions:
             reasons.append("the sampler picks hyper-parameters from earlier trials' results")
         if self.adaptive_scheduler:
             reasons.append("the scheduler stops trials on their metrics (adaptive)")
+        if self.start_points:
+            reasons.append("start points are tried first, so the trials are not identical draws")
         if self.release != "best":
             reasons.append(f"the sweep releases {RELEASES[self.release]}, not one selected model")
         return reasons

@@ -309,9 +309,29 @@ class GroupCallbacks(tune.Callback):
                 self.groups[group].set_state(group_state)
 
 
-def _sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
-    """Optuna's sampler ``name``; seed None: seeded from the OS entropy source."""
-    return getattr(optuna.samplers, OPTUNA_SAMPLERS[name])(seed=seed)
+def _sampler(name: str, seed: int | None, startup: int) -> optuna.samplers.BaseSampler:
+    """Optuna's sampler ``name`` with ``startup`` random trials (TPE); seed None: seeded
+    from the OS entropy source."""
+    options = {"n_startup_trials": startup} if name == "tpe" else {}
+    return getattr(optuna.samplers, OPTUNA_SAMPLERS[name])(seed=seed, **options)
+
+
+def group_search(pipeline: Pipeline, group: SweepGroup) -> CompletionAwareOptunaSearch:
+    """One group's Optuna study behind Ray's searcher: both objectives, the sampler with the
+    pipeline's random start, and the space's start points tried first."""
+    (first_metric, first_mode), (second_metric, second_mode) = pipeline.objective_pairs
+    return CompletionAwareOptunaSearch(
+        space=group.space.define_by_run,
+        metric=[first_metric, second_metric],
+        mode=[first_mode, second_mode],
+        # the random-trials bound assumes draws the adversary cannot replay
+        sampler=_sampler(
+            pipeline.sampler,
+            None if pipeline.hides_trial_count else pipeline.seed,
+            pipeline.startup_trials,
+        ),
+        points_to_evaluate=[dict(p) for p in group.space.start_points] or None,
+    )
 
 
 def group_trainable(
@@ -351,18 +371,9 @@ def group_tuner(
     :class:`GroupSearcher`, at most ``concurrency`` trials in flight sweep-wide,
     one ASHA per group, each group's MLflow logger (checkpoints tagged as locations on
     ``storage``) and progress line."""
-    (first_metric, first_mode), (second_metric, second_mode) = pipeline.objective_pairs
+    (first_metric, first_mode), _ = pipeline.objective_pairs
     secret_draws = pipeline.hides_trial_count
-    studies = {
-        g.name: CompletionAwareOptunaSearch(
-            space=g.space.define_by_run,
-            metric=[first_metric, second_metric],
-            mode=[first_mode, second_mode],
-            # the random-trials bound assumes draws the adversary cannot replay
-            sampler=_sampler(pipeline.sampler, None if secret_draws else pipeline.seed),
-        )
-        for g in groups
-    }
+    studies = {g.name: group_search(pipeline, g) for g in groups}
     scheduler = None
     if pipeline.scheduler.type == "asha":
         scheduler = GroupScheduler(

@@ -134,6 +134,8 @@ OPTUNA_SAMPLERS: dict[str, str] = {
     "nsga2": "NSGAIISampler",
     "random": "RandomSampler",
 }
+# NSGA-II's first generation is drawn at random (Optuna's default population)
+NSGA2_POPULATION = 50
 # Upper bounds of the counts, each with what it protects
 MAX_TRIALS = 10_000
 _TRIALS_WHY = "per group, each trial a whole training run; split a larger search into sweeps"
@@ -317,7 +319,35 @@ class Pipeline(RunFile):
             adaptive_sampler=self.sampler != "random",
             adaptive_scheduler=self.scheduler.type != "none",
             release=self.release,
+            start_points=any(space.start_points for space in self._spaces.values()),
         )
+
+    @property
+    def startup_trials(self) -> int:
+        """Trials a group's sampler draws at random before it models the results: for TPE
+        at most a third of the group's (mean) trials, at least one (Optuna's default of 10
+        would leave a small budget to random search); NSGA-II's first generation; all of
+        them for the random sampler."""
+        if self.sampler == "tpe":
+            return max(1, self.trials // 3)
+        return NSGA2_POPULATION if self.sampler == "nsga2" else self.trials
+
+    def random_phase_note(self) -> str | None:
+        """One line when some group's budget leaves an adaptive sampler in its random phase
+        (every trial a random draw or a start point), said before the sweep starts."""
+        if self.sampler == "random":
+            return None
+        for name, space in self.spaces.items():
+            modelled = self.trials - max(self.startup_trials, len(space.start_points))
+            if modelled <= 0:
+                return (
+                    f"note: sampler {self.sampler} draws its first {self.startup_trials} "
+                    f"trials at random and {name} has {len(space.start_points)} start "
+                    f"point(s): with trials {self.trials} no trial of {name} is chosen by the "
+                    f"sampler's model (random search); raise trials above "
+                    f"{max(self.startup_trials, len(space.start_points))}"
+                )
+        return None
 
     @property
     def hides_trial_count(self) -> bool:

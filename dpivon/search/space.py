@@ -27,6 +27,14 @@ of those values); several names must all match, and a parameter whose condition 
 inactive one is inactive too. An inactive parameter is absent from the trial and keeps
 its default (the optimizer's: ``dpivon.optim.registry``).
 
+``start:`` (optional, beside ``params``) lists points tried first, before the sampler draws
+any (Optuna's ``enqueue_trial``): the published setting of a method, so a tuned method is
+never below its known setting on the tuning objective. Each point gives a value to every
+sampled parameter active at that point (switches included) and to nothing else::
+
+    start:
+      - {lr: 1.0, max_grad_norm: 0.1}   # Tramer & Boneh's DP-SGD
+
 A ``when`` names at least one parameter. Every name is a training config key, each set once
 (``lr`` and ``optimizer.lr`` are one field), flat (``lr``) or a path (``optimizer.lr``), see
 :func:`dpivon.config.config_key` (a pipeline refuses the keys it sets itself, see
@@ -38,6 +46,7 @@ problem is one :class:`~dpivon.errors.DpivonError` line naming the file and the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 import warnings
@@ -129,6 +138,18 @@ def _takes(dist: CategoricalDistribution | IntDistribution, value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value in grid
 
 
+def _inside(dist: BaseDistribution, value: Any) -> bool:
+    """Whether ``dist`` can draw ``value`` (a float range: within bounds, on its step)."""
+    if not isinstance(dist, FloatDistribution):
+        return _takes(dist, value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    if not dist.low <= value <= dist.high:
+        return False
+    return dist.step is None or math.isclose((value - dist.low) / dist.step,
+                                             round((value - dist.low) / dist.step))
+
+
 def _extremes(param: Any) -> list[Any]:
     """A parameter's first and last values: its bounds, choices, or fixed value."""
     if isinstance(param, CategoricalDistribution):
@@ -145,6 +166,12 @@ class SearchSpace:
     conditions: dict[str, dict[str, list[Any]]]  # name -> its when (the names that have one)
     keys: dict[str, str]  # name -> the TrainConfig key it sets; switches have none
     path: Path | None = None
+    start_points: tuple[dict[str, Any], ...] = ()  # tried first, in order (``start:``)
+
+    @property
+    def dimension(self) -> int:
+        """How many parameters are searched (sampled ones, switches included)."""
+        return len(self.distributions)
 
     @property
     def fixed(self) -> dict[str, Any]:
@@ -197,7 +224,8 @@ class SearchSpace:
             if name in self.conditions:
                 params[name]["when"] = self.conditions[name]
         path = None if self.path is None else str(self.path)
-        return {"optimizer": self.optimizer, "path": path, "params": params}
+        start = [dict(point) for point in self.start_points]
+        return {"optimizer": self.optimizer, "path": path, "params": params, "start": start}
 
     def _active_values(self, draw: Any) -> dict[str, Any]:
         """Fixed values and ``draw(name, distribution)`` of each active sampled parameter."""
@@ -290,6 +318,7 @@ class _SpaceFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     optimizer: str
     params: dict[str, Any] = Field(min_length=1)
+    start: list[dict[str, Any]] = []
 
 
 def load_search_space(path: str | Path) -> SearchSpace:
@@ -344,7 +373,35 @@ def load_search_space(path: str | Path) -> SearchSpace:
                 f"{where}: {description} is not a valid {raw.optimizer} setting: "
                 f"{format_validation_error(err)}; change that bound or choice"
             ) from None
-    return space
+    for i, point in enumerate(raw.start):
+        _check_start_point(f"{where}: start.{i}", space, point)
+    return dataclasses.replace(space, start_points=tuple(raw.start))
+
+
+def _check_start_point(prefix: str, space: SearchSpace, point: dict[str, Any]) -> None:
+    """A point to try first: a value inside its distribution for every active sampled
+    parameter, nothing for a fixed or inactive one, and a valid TrainConfig."""
+    for name, value in point.items():
+        dist = space.params.get(name)
+        if not isinstance(dist, BaseDistribution):
+            what = "a fixed value" if name in space.params else "not a parameter of this space"
+            raise DpivonError(f"{prefix}.{name}: {name!r} is {what}; a start point sets "
+                              "sampled parameters only")
+        if not _inside(dist, value):
+            raise DpivonError(f"{prefix}.{name}: {_shown.repr(value)} is outside {name}'s "
+                              f"distribution {dist}; move the point inside the space or widen it")
+    active = space._active_values(lambda name, _: point.get(name))
+    missing = [n for n in space.distributions if n in active and n not in point]
+    inactive = [n for n in point if n not in active]
+    if missing or inactive:
+        problem = (f"gives no value for the active {', '.join(missing)}" if missing else
+                   f"sets {', '.join(inactive)}, inactive at this point (its when is not met)")
+        raise DpivonError(f"{prefix}: the point {problem}")
+    try:
+        TrainConfig.model_validate(space.trial_config(point))
+    except ValidationError as err:
+        raise DpivonError(f"{prefix}: not a valid {space.optimizer} setting: "
+                          f"{format_validation_error(err)}") from None
 
 
 def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution, dict]:

@@ -87,6 +87,8 @@ class SweepState(RunState):
     trial_counts: dict[str, int] = field(default_factory=dict)
     # release: best: the export pick that selects the released model (None: any pick)
     release_pick: str | None = None
+    # optimizer -> how many parameters its space searches (empty: an older sweep's state)
+    space_dimensions: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.objectives = [tuple(pair) for pair in self.objectives]  # JSON holds lists
@@ -326,6 +328,7 @@ def _record_new_sweep(
         trial_epsilons=trial_epsilons,
         trial_counts={group_name(o, e): k for (o, e), k in counts.items()},
         release_pick=pipeline.release_pick,
+        space_dimensions={name: space.dimension for name, space in pipeline.spaces.items()},
     )
     state.save(storage)
     return state
@@ -390,6 +393,8 @@ def run_sweep(
     previous = SweepState.load(storage) if exists else None
     if resume and previous is None:
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
+    if not resume and (note := pipeline.random_phase_note()) is not None:
+        console.print(f"[yellow]{note}[/]", highlight=False)
     counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)

@@ -509,8 +509,18 @@ def report_benchmark(
     configs = {}
     for spec in pipeline.runs:
         configs.setdefault(
-            spec.method, {**spec.config.flat(), "tuned_by": spec.tuned_by}
+            spec.method,
+            {
+                **spec.config.flat(),
+                "tuned_by": spec.tuned_by,
+                "space_dimension": spec.space_dimension,
+            },
         )
+    tuning_scores = {
+        (spec.method, spec.epsilon): spec.tuning_score
+        for spec in pipeline.runs
+        if spec.tuning_score is not None
+    }
     data = pipeline.data
     subset = f", {data.per_class} per class" if data.per_class else ""
     settings = [
@@ -531,6 +541,7 @@ def report_benchmark(
         method_configs=configs,
         sweeps=pipeline.sweep_directories,
         failed=failed,
+        tuning_scores=tuning_scores,
     )
     storage = pipeline.storage
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:

@@ -43,7 +43,13 @@ from dpivon.study.figures import (
     plot_pooled_reliability,
     png_bytes,
 )
-from dpivon.study.significance import Interval, seed_difference, verdict_word
+from dpivon.study.significance import (
+    Interval,
+    RankAgreement,
+    rank_agreement,
+    seed_difference,
+    verdict_word,
+)
 from dpivon.tracking.client import Tracker
 
 REPORT_MD = "report.md"
@@ -266,10 +272,15 @@ def mean_with_interval(
     return f"{text} [{low * scale:.{decimals}f}, {high * scale:.{decimals}f}]"
 
 
+# columns that describe the runs rather than score them: their mean alone
+_MEAN_ONLY = ("epsilon_spent", "wall_time_s")
+
+
 def results_rows(
     table: pd.DataFrame, columns: Sequence[tuple[str, str, float, int]] = _COLUMNS
 ) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of a table of ``columns`` (mean [95 % interval] over seeds)."""
+    """Header and rows of a table of ``columns`` (mean [95 % interval] over seeds; the
+    mean alone for the epsilon spent and the wall time)."""
     header = ["method", "eps", "seeds", *(h for _, h, _, _ in columns)]
     rows = [
         [
@@ -278,7 +289,11 @@ def results_rows(
             str(int(row["n"])),
             *(
                 mean_with_interval(
-                    row[f"{c}_mean"], row[f"{c}_ci_low"], row[f"{c}_ci_high"], scale, decimals
+                    row[f"{c}_mean"],
+                    math.nan if c in _MEAN_ONLY else row[f"{c}_ci_low"],
+                    math.nan if c in _MEAN_ONLY else row[f"{c}_ci_high"],
+                    scale,
+                    decimals,
                 )
                 for c, _, scale, decimals in columns
             ),
@@ -390,6 +405,84 @@ def difference_rows(
     return header, rows
 
 
+TRANSFER_NOTE = (
+    "Each tuned method's pick has a score in its tuning sweep (the sweep's first objective, "
+    "on the validation split, at the tuning protocol's length and data) and a final score "
+    "(the same metric on the test set, mean over seeds, at the benchmark's). The tuning "
+    '"predicted" the final runs where Kendall\'s tau is positive at p < 0.05; with few '
+    "picks only a near-perfect agreement is significant."
+)
+
+
+def final_metric(tuning_metric: str) -> str:
+    """The test metric a validation objective stands for (val_accuracy -> test_accuracy)."""
+    return "test_" + tuning_metric.removeprefix("val_")
+
+
+def transfer_checks(
+    table: pd.DataFrame, tuning_scores: dict[tuple[str, float], tuple[str, float]]
+) -> list[tuple[float, str, dict[str, tuple[float, float]], RankAgreement]]:
+    """Per epsilon with tuned methods: the tuning metric, each pick's (tuning score, final
+    mean) and the rank agreement of the two (larger-is-better for both)."""
+    checks = []
+    for eps in sorted({e for _, e in tuning_scores}):
+        picks = {m: score for (m, e), score in tuning_scores.items() if e == eps}
+        metric = next(iter(picks.values()))[0]
+        final = final_metric(metric)
+        if f"{final}_mean" not in table:
+            continue
+        at = table[table["epsilon"] == eps].set_index("method")[f"{final}_mean"]
+        pairs = {m: (v, float(at[m])) for m, (_, v) in picks.items() if m in at.index}
+        sign = -1.0 if SUMMARISED.get(final) == "min" else 1.0
+        agreement = rank_agreement(
+            {m: sign * t for m, (t, _) in pairs.items()},
+            {m: sign * f for m, (_, f) in pairs.items()},
+        )
+        checks.append((eps, metric, pairs, agreement))
+    return checks
+
+
+def transfer_line(eps: float, metric: str, agreement: RankAgreement) -> str:
+    """The verdict's sentence on whether the tuning predicted the final ranking."""
+    if agreement.word == "unknown":
+        return (
+            f"epsilon {eps:g}: {agreement.items} tuned pick(s): too few to say whether the "
+            "tuning predicted the final runs."
+        )
+    said = {
+        "predicted": "the tuning predicted the final ranking",
+        "did not predict": "the tuning did not predict the final ranking",
+        "agreed, not significantly": "the tuning's ranking agreed with the final one, not "
+        "significantly",
+    }[agreement.word]
+    return (
+        f"epsilon {eps:g}: {said} ({metric} in tuning against {final_metric(metric)} "
+        f"over {agreement.items} picks: Spearman {agreement.spearman:.2f} (p = "
+        f"{agreement.spearman_p:.2g}), Kendall {agreement.kendall:.2f} (p = "
+        f"{agreement.kendall_p:.2g}))."
+    )
+
+
+def _add_transfer_check(
+    report: Report, tuning_scores: dict[tuple[str, float], tuple[str, float]]
+) -> None:
+    checks = transfer_checks(report.table, tuning_scores)
+    if not checks:
+        return
+    report.blocks.append(Heading("Did the tuning predict the final runs?"))
+    for eps, metric, pairs, agreement in checks:
+        final = final_metric(metric)
+        rows = [
+            [method, f"{tuning:.4f}", f"{value:.4f}"]
+            for method, (tuning, value) in sorted(pairs.items(), key=lambda kv: -kv[1][0])
+        ]
+        report.blocks += [
+            Paragraph(transfer_line(eps, metric, agreement)),
+            TableBlock(["method", f"{metric} (tuning)", f"{final} (final, mean)"], rows),
+        ]
+    report.blocks.append(Paragraph(TRANSFER_NOTE))
+
+
 # --- the report ------------------------------------------------------------------------------
 
 
@@ -493,8 +586,12 @@ def _methods_blocks(
             f"{k}={config[k]}" for k in _HYPER_PARAMETERS if config.get(k) is not None
         )
         tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
-        rows.append([method, str(config["optimizer"]), shown, tuned_by])
-    header = ["method", "optimizer", "hyper-parameters", "tuned by"]
+        dimension = config.get("space_dimension")
+        searched = "-" if not config.get("tuned_by") else (
+            "not recorded" if dimension is None else str(dimension)
+        )
+        rows.append([method, str(config["optimizer"]), shown, tuned_by, searched])
+    header = ["method", "optimizer", "hyper-parameters", "tuned by", "space dimension"]
     return [Heading("Methods"), TableBlock(header, rows)]
 
 
@@ -507,16 +604,24 @@ def build_report(
     method_configs: dict[str, dict[str, Any]] | None = None,
     sweeps: Sequence[SweepStorage] = (),
     failed: dict[str, str] | None = None,
+    tuning_scores: dict[tuple[str, float], tuple[str, float]] | None = None,
 ) -> Report:
     """Aggregate ``records`` and lay out the report (figures rendered to PNG here).
 
     ``method_configs`` maps a method to one of its run configs (its hyper-parameters) and,
-    under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines.
+    under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines;
+    ``tuning_scores`` maps (method, epsilon) to its pick's (metric, score) in the sweep,
+    for the transfer check (its verdict lines join the verdict).
     """
     methods = list(method_order or dict.fromkeys(r.method for r in records))
     table = aggregate(records, methods)
     runs = records_frame(records)
     verdict = verdict_lines(runs) if not table.empty else ["no run finished"]
+    if not table.empty and tuning_scores:
+        verdict += [
+            transfer_line(eps, metric, agreement)
+            for eps, metric, _, agreement in transfer_checks(table, tuning_scores)
+        ]
     blocks = _results_blocks(table, verdict, settings, failed or {})
     report = Report(title, blocks, table, runs, verdict)
     if table.empty:
@@ -531,6 +636,8 @@ def build_report(
     _add_metric_curves(report, methods)
     _add_reliability_diagrams(report, records, methods)
     _add_diagnostics(report, records, methods)
+    if tuning_scores:
+        _add_transfer_check(report, tuning_scores)
     if sweeps:
         _add_sweep_fronts(report, sweeps)
     if method_configs:

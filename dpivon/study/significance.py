@@ -8,6 +8,9 @@ The words a report may use follow from the interval of the difference: a method 
 only where that interval excludes 0; otherwise the two are *indistinguishable* at that
 number of seeds. With 2 seeds the t quantile is 12.7, so only a gap many times the seeds'
 spread is a lead: that is what 2 seeds can say.
+
+Whether a tuning sweep predicted the final runs is a rank correlation (Spearman's rho,
+Kendall's tau) between each pick's tuning score and its final score (:func:`rank_agreement`).
 """
 
 from __future__ import annotations
@@ -110,3 +113,45 @@ def verdict_word(difference: Difference, better: str) -> str:
         return "indistinguishable"
     ahead = difference.mean > 0 if better == "max" else difference.mean < 0
     return "leads" if ahead else "trails"
+
+
+@dataclass(frozen=True)
+class RankAgreement:
+    """How well one ranking (tuning scores) predicts another (final scores) over the same
+    items: Spearman's rho and Kendall's tau with their two-sided p-values."""
+
+    items: int
+    spearman: float
+    spearman_p: float
+    kendall: float
+    kendall_p: float
+
+    @property
+    def word(self) -> str:
+        """``predicted`` (tau > 0 at p < 0.05), ``did not predict`` (tau <= 0), else
+        ``agreed, not significantly``; ``unknown`` below 3 items."""
+        if self.items < 3 or math.isnan(self.kendall):
+            return "unknown"
+        if self.kendall <= 0:
+            return "did not predict"
+        return "predicted" if self.kendall_p < 1 - CONFIDENCE else "agreed, not significantly"
+
+
+def rank_agreement(tuning: Mapping[str, float], final: Mapping[str, float]) -> RankAgreement:
+    """Rank correlation of ``tuning`` and ``final`` over their shared keys (both oriented so
+    that larger is better, or both so that smaller is)."""
+    keys = sorted(k for k in set(tuning) & set(final) if np.isfinite([tuning[k], final[k]]).all())
+    if len(keys) < 3:
+        return RankAgreement(len(keys), math.nan, math.nan, math.nan, math.nan)
+    a, b = [tuning[k] for k in keys], [final[k] for k in keys]
+    with warnings.catch_warnings():  # constant input: scipy warns and returns NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spearman = stats.spearmanr(a, b)
+        kendall = stats.kendalltau(a, b)
+    return RankAgreement(
+        len(keys),
+        float(spearman.statistic),
+        float(spearman.pvalue),
+        float(kendall.statistic),
+        float(kendall.pvalue),
+    )

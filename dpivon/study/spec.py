@@ -115,6 +115,9 @@ class RunSpec:
     replicate: int
     config: TrainConfig
     tuned_by: str | None = None  # "<sweep>/<group>/<trial id>" for from_sweep methods
+    # the pick's score in its sweep: (metric, value) of the sweep's first objective
+    tuning_score: tuple[str, float] | None = None
+    space_dimension: int | None = None  # parameters its sweep searched (None: not recorded)
 
     @property
     def key(self) -> str:
@@ -206,11 +209,21 @@ class BenchmarkPipeline(RunFile):
         return config
 
 
+@dataclass(frozen=True)
+class TunedPick:
+    """A sweep's pick for one epsilon: its config as a mapping, where it came from
+    ("<sweep>/<group>/<trial id>") and its score on the sweep's first objective."""
+
+    config: dict[str, Any]
+    tuned_by: str
+    score: tuple[str, float]
+    space_dimension: int | None
+
+
 def _tuned_configs(
     method: Method, epsilons: list[float], where: str
-) -> tuple[dict[float, tuple[dict[str, Any], str]], dict[float, int]]:
-    """Per epsilon: (the sweep's picked config as a mapping, its provenance) and the number
-    of trials its group ran."""
+) -> tuple[dict[float, TunedPick], dict[float, int]]:
+    """Per epsilon: the sweep's pick and the number of trials its group ran."""
     from dpivon.search.export import export_configs, load_results, resolve_sweep
     from dpivon.search.results import group_name
     from dpivon.search.sweep import SweepState
@@ -218,7 +231,8 @@ def _tuned_configs(
     prefix = f"invalid {where}: method {method.name} (from_sweep {method.from_sweep})"
     try:
         directory = resolve_sweep(method.from_sweep)
-        objectives = SweepState.load(directory).objectives
+        state = SweepState.load(directory)
+        objectives = state.objectives
         trials, _ = load_results(directory)
     except DpivonError as err:
         raise DpivonError(f"{prefix}: {err}") from None
@@ -236,7 +250,13 @@ def _tuned_configs(
             )
         except DpivonError as err:
             raise DpivonError(f"{prefix}: group {group}: {err}") from None
-        picked[eps] = (config.flat(), f"{directory.name}/{group}/{row['trial_id']}")
+        metric = objectives[0][0]
+        picked[eps] = TunedPick(
+            config.flat(),
+            f"{directory.name}/{group}/{row['trial_id']}",
+            (metric, float(row[metric])),
+            state.space_dimensions.get(method.optimizer),
+        )
         budgets[eps] = int(
             ((trials["optimizer"] == method.optimizer) & (trials["epsilon"] == eps)).sum()
         )
@@ -291,15 +311,15 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
     runs: list[RunSpec] = []
     budgets: dict[tuple[str, float], int] = {}
     for method in pipeline.methods:
-        tuned: dict[float, tuple[dict[str, Any], str]] = {}
+        tuned: dict[float, TunedPick] = {}
         if method.from_sweep is not None:
             tuned, counts = _tuned_configs(method, pipeline.method_epsilons(method), where)
             budgets.update({(method.name, eps): n for eps, n in counts.items()})
         for eps in pipeline.method_epsilons(method):
-            picked, tuned_by = tuned.get(eps, ({}, None))
+            pick = tuned.get(eps)
             for replicate in pipeline.seeds:
                 keys = {
-                    **picked,
+                    **(pick.config if pick else {}),
                     **pipeline.base_config(method, eps, replicate),
                     **pipeline.train,
                     **method.train,
@@ -311,7 +331,17 @@ def load_benchmark(path: str | Path) -> BenchmarkPipeline:
                         f"invalid {source}: batch_size {config.training.batch_size} exceeds the "
                         f"{pipeline.data.train_size} training images; lower it"
                     )
-                runs.append(RunSpec(method.name, eps, replicate, config, tuned_by))
+                runs.append(
+                    RunSpec(
+                        method.name,
+                        eps,
+                        replicate,
+                        config,
+                        pick.tuned_by if pick else None,
+                        pick.score if pick else None,
+                        pick.space_dimension if pick else None,
+                    )
+                )
     _check_equal_budgets(budgets, where)
     methods, seeds = pipeline.method_names, pipeline.seeds
     epsilons = list(dict.fromkeys([*pipeline.epsilon_list, math.inf]))
