@@ -889,3 +889,67 @@ def test_a_bad_start_point_is_one_clear_error(tmp_path, start, message):
     path = _write(tmp_path / "s.yaml", text)
     line = one_line_refusal(load_search_space, path)
     assert message in line and str(path) in line
+
+
+# -- noise-faithful tuning (TAN) ----------------------------------------------------------------
+
+NO_BATCH_SPACE = """\
+optimizer: dp-sgd
+params:
+  lr: {type: float, low: 0.05, high: 10.0, log: true}
+"""
+
+
+def _noise_faithful_pipeline(tmp_path: Path, **changes: Any) -> Path:
+    _write(tmp_path / "pipes/spaces/dp-sgd.yaml", NO_BATCH_SPACE)
+    _write(tmp_path / "pipes/spaces/dp-adam.yaml", NO_BATCH_SPACE.replace("dp-sgd", "dp-adam"))
+    data = {**_pipeline_dict(), "train": {"batch_size": 128}}
+    data.update({"noise_faithful": {"batch_divisor": 4}, **changes})
+    return _write(tmp_path / "pipes/p.yaml", yaml.safe_dump(data))
+
+
+def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_gradient(
+    tmp_path,
+):
+    from dpivon.privacy.accounting import epsilon_spent
+    from dpivon.search.export import target_config
+    from dpivon.training import privacy_plan
+
+    pipeline = load_pipeline(_noise_faithful_pipeline(tmp_path))
+    n = pipeline.data.train_size  # 540
+    target = parse_config({**pipeline.owned_settings("dp-sgd", 8.0), "batch_size": 128})
+    target_plan = privacy_plan(target, n)
+    trial = parse_config(pipeline.base_train_config("dp-sgd", 8.0))
+    plan = privacy_plan(trial, n)
+    assert trial.training.batch_size == 32
+    # the same steps and the same noise on the averaged gradient, sigma / b
+    assert plan.steps == target_plan.steps == 3 * math.ceil(540 / 128)
+    assert plan.noise_multiplier / 32 == pytest.approx(target_plan.noise_multiplier / 128)
+    # its epsilon is the accountant's for what ran: far above the target's 8
+    spent = epsilon_spent(plan.noise_multiplier, 32 / n, plan.steps, 1e-5, "rdp")
+    assert trial.privacy.epsilon == spent and spent > 8.0 * 2
+    (mechanism,) = pipeline.candidate_mechanisms("dp-sgd", spent)
+    assert (mechanism.noise_multiplier, mechanism.sample_rate, mechanism.steps) == (
+        plan.noise_multiplier, plan.sample_rate, plan.steps
+    )
+    # the export turns a trial back into the run it stood for: the target's batch and budget
+    final = target_config(trial.replace(lr=0.7), 4, 8.0)
+    assert final.training.batch_size == 128 and final.training.steps_per_epoch is None
+    assert final.privacy.fixed_noise_multiplier is None and final.privacy.epsilon == 8.0
+    assert privacy_plan(final, n).noise_multiplier == target_plan.noise_multiplier
+    assert final.optimizer.lr == 0.7
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"epsilons": None, "total_epsilon": 8}, "use epsilons"),
+        ({"train": {"batch_size": 130}}, "batch_divisor 4 must divide train.batch_size 130"),
+        ({"train": {"bma_samples": 2}}, "set train.batch_size"),
+        ({"noise_faithful": {"batch_divisor": 1}}, "batch_divisor"),
+    ],
+)
+def test_a_bad_noise_faithful_pipeline_is_one_clear_error(tmp_path, changes, message):
+    path = _noise_faithful_pipeline(tmp_path, **changes)
+    line = one_line_refusal(load_pipeline, path)
+    assert message in line

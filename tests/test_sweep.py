@@ -544,3 +544,43 @@ def test_a_default_sweep_releases_models_no_retrain_reproduces(finished_sweep, t
     with_target, without_target = relative_distances_of_retrains(research_checkpoint)
     print(f"research: relative distance {with_target:.3g} with, {without_target:.3g} without")
     assert with_target == 0.0 and without_target > 1e-3
+
+
+@pytest.mark.slow
+def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_target(tmp_path):
+    from dpivon.search.export import export_configs, resolve_sweep
+
+    space = tmp_path / "dp-sgd.yaml"
+    space.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 2.0}\n")
+    path = write_pipeline(
+        tmp_path, name="tan", epochs=2, trials=2, scheduler={"type": "none"},
+        optimizers=[{"name": "dp-sgd", "space": str(space)}],
+        train={"batch_size": 64, "bma_samples": 2}, noise_faithful={"batch_divisor": 2},
+    )
+    pipeline = load_pipeline(path)
+    run_sweep(pipeline)
+    expected = pipeline.noise_faithful_settings(8.0)
+    n = pipeline.data.train_size
+    steps = 2 * -(-n // 64)  # the target's: 2 epochs of ceil(N / 64) batches of 64
+    client, _, children = runs_of(tmp_path, pipeline.experiment)
+    assert len(children) == 2
+    for child in children:  # each trial ran batch 32 for the target's steps at sigma_T / 2
+        metrics = child.data.metrics
+        assert metrics["noise_multiplier"] == pytest.approx(expected["fixed_noise_multiplier"])
+        assert metrics["sample_rate"] == pytest.approx(32 / n)
+        assert metrics["steps"] == steps
+        assert metrics["epsilon_spent"] == pytest.approx(expected["epsilon"], rel=1e-9)
+    folder = sweep_folder(pipeline)
+    tuning = json.loads((folder / "tuning_privacy.json").read_text())["eps8-dp-sgd"]
+    assert tuning["trial_epsilon"] == pytest.approx(expected["epsilon"]) > 8.0
+    assert tuning["num_trials"] == 2 and tuning["quoted_epsilon"] > expected["epsilon"]
+    assert "batch 32 = 64 / 2" in tuning["tuned_as"] and f"{steps} steps" in tuning["tuned_as"]
+    (parent,) = runs_of(tmp_path, pipeline.experiment)[1]
+    assert "noise-faithful tuning" in parent.data.tags["mlflow.note.content"]
+    # the export is the run the trials stood for: batch 64, the budget's calibrated sigma
+    storage = resolve_sweep(str(path))
+    ((_, config),) = export_configs(storage, pipeline.objective_pairs, "max-accuracy",
+                                    full_data=False)
+    assert config.training.batch_size == 64 and config.privacy.epsilon == 8.0
+    assert config.privacy.fixed_noise_multiplier is None
+    assert config.training.steps_per_epoch is None

@@ -60,6 +60,36 @@ def calibrate_noise_multiplier(
         ) from err
 
 
+@functools.lru_cache(maxsize=256)  # a sweep asks per group, several times
+def noise_faithful_plan(
+    target_epsilon: float,
+    delta: float,
+    dataset_size: int,
+    batch_size: int,
+    batch_divisor: int,
+    epochs: int,
+    accountant: str,
+) -> tuple[float, float]:
+    """(sigma_p, epsilon) of a run at batch ``batch_size / batch_divisor`` that holds the
+    target run's steps (``epochs`` * ceil(N / B)) and its noise on the averaged gradient
+    sigma_p / b: the "total amount of noise" scaling of Sander, Stock & Sablayrolles (TAN
+    without a burn, ICML 2023), whose ranking of hyper-parameters predicts the target's at
+    about 1/k of its compute. sigma_p is the target's calibrated sigma over k; the epsilon
+    is what the accountant gives for what runs, far above the target's once sigma_p / k
+    drops below about 2 (the scaling holds the noise, not the privacy)."""
+    sample_rate, steps_per_epoch = sampling_schedule(dataset_size, batch_size)
+    steps = epochs * steps_per_epoch
+    target_sigma = calibrate_noise_multiplier(
+        target_epsilon, delta, sample_rate, steps, accountant
+    )
+    sigma = target_sigma / batch_divisor
+    with warnings.catch_warnings():  # "optimal order is the smallest alpha": a large epsilon
+        warnings.simplefilter("ignore", UserWarning)
+        small_rate = (batch_size // batch_divisor) / dataset_size  # what the trial samples at
+        epsilon = epsilon_spent(sigma, small_rate, steps, delta, accountant)
+    return sigma, epsilon
+
+
 def sampling_schedule(dataset_size: int, batch_size: int) -> tuple[float, int]:
     """(sample rate q = b / N, steps per epoch ceil(N / b)) of Poisson sampling."""
     return batch_size / dataset_size, math.ceil(dataset_size / batch_size)

@@ -63,6 +63,7 @@ def parent_description(
         ),
         "",
         *(f"- **{group}**: {r['quote']}" for group, r in privacy.items()),
+        *(f"- **{group}**: {r['tuned_as']}" for group, r in privacy.items() if "tuned_as" in r),
     ]
 
     def text(shown: int) -> str:

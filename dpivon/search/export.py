@@ -137,6 +137,18 @@ def tuning_cost(storage: SweepStorage, group: str, departs: str | None = None) -
     )
 
 
+def target_config(trial: TrainConfig, batch_divisor: int, budget: float) -> TrainConfig:
+    """The run a noise-faithful trial stood for: its batch times k, one pass an epoch, and
+    the noise calibrated to the group's ``budget`` (the trial ran the target's steps and
+    sigma / B at batch / k with a fixed sigma and its own, larger, epsilon)."""
+    return trial.replace(
+        batch_size=trial.training.batch_size * batch_divisor,
+        steps_per_epoch=None,
+        fixed_noise_multiplier=None,
+        epsilon=budget,
+    )
+
+
 def production_config(
     config: TrainConfig,
     *,
@@ -170,7 +182,8 @@ def export_configs(
     is a group's budget (with ``total_epsilon``, the total; not what each trial spent).
     """
     departs = departure(storage, how)
-    how = how or SweepState.load(storage).release_pick or "knee"
+    state = SweepState.load(storage)
+    how = how or state.release_pick or "knee"
     _, front = load_results(storage)
     if optimizer is not None:
         front = front[front["optimizer"] == optimizer]
@@ -182,6 +195,8 @@ def export_configs(
     for _, group in front.groupby(["optimizer", "epsilon"]):
         for _, row in pick(group, objectives, how).iterrows():
             trial = trial_config(storage, row)
+            if state.batch_divisor is not None and trial.is_private:
+                trial = target_config(trial, state.batch_divisor, float(row["epsilon"]))
             config = production_config(
                 trial,
                 epochs=epochs,

@@ -104,7 +104,7 @@ from dpivon.orchestration.run_file import (
     group_budget,
     train_extras,
 )
-from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.privacy.accounting import check_plan_reachable, noise_faithful_plan, sampling_schedule
 from dpivon.privacy.tuning import (
     TRIAL_COUNTS,
     SweepConditions,
@@ -171,6 +171,13 @@ Scheduler = Annotated[
 ]
 
 
+class NoiseFaithful(StrictModel):
+    """Tune at a k-times smaller batch with the target run's steps and noise per averaged
+    gradient (:func:`dpivon.privacy.accounting.noise_faithful_plan`)."""
+
+    batch_divisor: Annotated[Int, Bound(ge=2, le=1024)]
+
+
 class Objective(StrictModel):
     metric: Literal[tuple(METRIC_MODES)]
     mode: Literal["max", "min"]
@@ -215,6 +222,8 @@ class Pipeline(RunFile):
     )
     sampler: Literal[tuple(OPTUNA_SAMPLERS)] = "tpe"
     seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    # private trials at batch B / k with the target's steps and sigma / B (TAN)
+    noise_faithful: NoiseFaithful | None = None
     max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1
 
     _spaces: dict[str, SearchSpace] = PrivateAttr(default_factory=dict)
@@ -230,6 +239,29 @@ class Pipeline(RunFile):
             raise ValueError(
                 f"best_by must be one of the objectives ({', '.join(metrics)}), got "
                 f"{self.best_by!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_noise_faithful(self) -> Pipeline:
+        if self.noise_faithful is None:
+            return self
+        if self.total_epsilon is not None:
+            raise ValueError(
+                "noise_faithful runs each trial at its own epsilon, computed from what it "
+                "runs; total_epsilon would solve that epsilon instead: use epsilons"
+            )
+        divisor = self.noise_faithful.batch_divisor
+        batch = self.train.get("batch_size")
+        if not isinstance(batch, int) or isinstance(batch, bool):
+            raise ValueError(
+                "noise_faithful holds the target run's batch size: set train.batch_size (the "
+                "final run's B; trials run at B / batch_divisor)"
+            )
+        if batch % divisor:
+            raise ValueError(
+                f"noise_faithful.batch_divisor {divisor} must divide train.batch_size {batch} "
+                "(trials run at batch_size / batch_divisor)"
             )
         return self
 
@@ -400,6 +432,23 @@ class Pipeline(RunFile):
     def candidate_mechanisms(self, optimizer: str, trial_epsilon: float) -> list[TrialMechanism]:
         """Mechanisms covering every trial ``optimizer``'s space can produce when each
         targets ``trial_epsilon`` (what the tuning bounds are over before trials run)."""
+        if self.noise_faithful is not None:  # one plan, exact: no calibration to cover
+            plans = [self.noise_faithful_settings(b) for b in self.epsilon_list]
+            keys = next((p for p in plans if p["epsilon"] == trial_epsilon), None)
+            if keys is None:
+                raise DpivonError(
+                    f"pipeline {self.path}: no noise-faithful group's trials spend epsilon "
+                    f"{trial_epsilon:g}"
+                )
+            return [
+                TrialMechanism(
+                    keys["fixed_noise_multiplier"],
+                    keys["batch_size"] / self.data.train_size,
+                    self.epochs * keys["steps_per_epoch"],
+                    self.validation_noise,
+                    self.epochs if self.validation_noise > 0 else 0,
+                )
+            ]
         batch_sizes = self.spaces[optimizer].all_values("batch_size")
         if batch_sizes is None:
             base = self.base_train_config(optimizer, self.epsilon_list[0])
@@ -453,7 +502,30 @@ class Pipeline(RunFile):
         config = self.owned_settings(optimizer, spent)
         config.update(self.train)
         config.update(next(e.train for e in self.optimizers if e.name == optimizer))
+        if self.noise_faithful is not None and math.isfinite(budget):
+            config.update(self.noise_faithful_settings(budget))
         return config
+
+    def noise_faithful_settings(self, budget: float) -> dict[str, Any]:
+        """A private noise-faithful trial's keys at a group's ``budget``: batch B / k, the
+        target's steps per epoch, the target's sigma over k and the epsilon that spends
+        (the trial's own; the target run spends ``budget``)."""
+        divisor, batch = self.noise_faithful.batch_divisor, self.train["batch_size"]
+        sigma, epsilon = noise_faithful_plan(
+            float(budget),
+            self.delta,
+            self.data.train_size,
+            batch,
+            divisor,
+            self.epochs,
+            self.accountant,
+        )
+        return {
+            "batch_size": batch // divisor,
+            "steps_per_epoch": sampling_schedule(self.data.train_size, batch)[1],
+            "fixed_noise_multiplier": sigma,
+            "epsilon": epsilon,
+        }
 
 
 def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | None = None) -> int:

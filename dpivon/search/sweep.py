@@ -89,6 +89,8 @@ class SweepState(RunState):
     release_pick: str | None = None
     # optimizer -> how many parameters its space searches (empty: an older sweep's state)
     space_dimensions: dict[str, int] = field(default_factory=dict)
+    # noise_faithful's k: private trials ran at the target batch / k (None: at the target's)
+    batch_divisor: int | None = None
 
     def __post_init__(self) -> None:
         self.objectives = [tuple(pair) for pair in self.objectives]  # JSON holds lists
@@ -329,6 +331,7 @@ def _record_new_sweep(
         trial_counts={group_name(o, e): k for (o, e), k in counts.items()},
         release_pick=pipeline.release_pick,
         space_dimensions={name: space.dimension for name, space in pipeline.spaces.items()},
+        batch_divisor=pipeline.noise_faithful.batch_divisor if pipeline.noise_faithful else None,
     )
     state.save(storage)
     return state
@@ -346,10 +349,11 @@ def _trial_counts(
 def _trial_epsilons(
     pipeline: Pipeline, counts: dict[tuple[str, float], int]
 ) -> dict[str, float]:
-    """Each group's per-trial epsilon: its budget, or with ``total_epsilon`` the largest one
-    whose quoted tuning epsilon (worst case over the space) is at most the total."""
+    """Each group's per-trial epsilon: its budget, with ``noise_faithful`` what its trials'
+    fixed noise spends, or with ``total_epsilon`` the largest one whose quoted tuning epsilon
+    (worst case over the space) is at most the total."""
     if pipeline.total_epsilon is None:
-        return {group_name(o, e): e for o, e in counts}
+        return {group_name(o, e): pipeline.base_train_config(o, e)["epsilon"] for o, e in counts}
     total = pipeline.total_epsilon
     solved = {}
     for optimizer, budget in pipeline.groups:

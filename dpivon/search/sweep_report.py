@@ -84,6 +84,8 @@ def tuning_privacy(
             accountant=pipeline.accountant,
         )
         report["trial_epsilon"] = trial_eps
+        if pipeline.noise_faithful is not None:
+            report["tuned_as"] = noise_faithful_statement(pipeline, budget, trial_eps)
         if pipeline.total_epsilon is not None:
             report["total_epsilon"] = pipeline.total_epsilon
         if pipeline.selection_metric is not None:
@@ -94,6 +96,21 @@ def tuning_privacy(
         reports[group] = report
         private[group] = composition_facts(mechanisms, pipeline.delta)
     return reports, private
+
+
+def noise_faithful_statement(pipeline: Pipeline, budget: float, trial_epsilon: float) -> str:
+    """What a noise-faithful group's trials ran, and on which records, in one sentence."""
+    keys = pipeline.noise_faithful_settings(budget)
+    steps = pipeline.epochs * keys["steps_per_epoch"]
+    target = pipeline.train["batch_size"]
+    return (
+        f"noise-faithful tuning (TAN, Sander et al. 2023): each trial ran batch "
+        f"{keys['batch_size']} = {target} / {pipeline.noise_faithful.batch_divisor} for the "
+        f"target's {steps} steps at sigma {keys['fixed_noise_multiplier']:.4g} (sigma / B of "
+        f"the target run at epsilon {budget:g}), on the {pipeline.data.train_size} training "
+        f"images the target trains on; that spends epsilon {trial_epsilon:.4g} per trial, "
+        "the accountant's for what ran, and the quote composes it"
+    )
 
 
 def front_hypervolumes(front: pd.DataFrame, objectives: list[tuple[str, str]]) -> dict[str, float]:
