@@ -562,7 +562,7 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     expected = pipeline.noise_faithful_settings(8.0)
     n = pipeline.data.train_size
     steps = 2 * -(-n // 64)  # the target's: 2 epochs of ceil(N / 64) batches of 64
-    client, _, children = runs_of(tmp_path, pipeline.experiment)
+    _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert len(children) == 2
     for child in children:  # each trial ran batch 32 for the target's steps at sigma_T / 2
         metrics = child.data.metrics
@@ -575,7 +575,7 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     assert tuning["trial_epsilon"] == pytest.approx(expected["epsilon"]) > 8.0
     assert tuning["num_trials"] == 2 and tuning["quoted_epsilon"] > expected["epsilon"]
     assert "batch 32 = 64 / 2" in tuning["tuned_as"] and f"{steps} steps" in tuning["tuned_as"]
-    (parent,) = runs_of(tmp_path, pipeline.experiment)[1]
+    parent = runs_of(tmp_path, pipeline.experiment)[1][0]  # after the report
     assert "noise-faithful tuning" in parent.data.tags["mlflow.note.content"]
     # the export is the run the trials stood for: batch 64, the budget's calibrated sigma
     storage = resolve_sweep(str(path))
