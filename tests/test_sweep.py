@@ -575,7 +575,6 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     assert tuning["trial_epsilon"] == pytest.approx(expected["epsilon"]) > 8.0
     assert tuning["num_trials"] == 2 and tuning["quoted_epsilon"] > expected["epsilon"]
     assert "batch 32 = 64 / 2" in tuning["tuned_as"] and f"{steps} steps" in tuning["tuned_as"]
-    parent = runs_of(tmp_path, pipeline.experiment)[1][0]  # after the report
     assert "noise-faithful tuning" in parent.data.tags["mlflow.note.content"]
     # the export is the run the trials stood for: batch 64, the budget's calibrated sigma
     storage = resolve_sweep(str(path))
