@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
+from dpivon.evaluation import evaluate_as_configured
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.orchestration.storage import SweepStorage
@@ -40,9 +41,9 @@ from dpivon.study.benchmark import (
     score_on_test,
 )
 from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
-from dpivon.study.layout import KEY_TAG, STATUS_TAG
+from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
 from dpivon.study.spec import RunSpec, load_benchmark
-from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
 from dpivon.training import (
     NOT_COVERED_METRICS,
     TrainResult,
@@ -576,6 +577,21 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     results = pd.read_csv(io.StringIO(pipeline.storage.read_text("report/results.csv")))
     assert len(results) == 4 and (results["train_images"] == pipeline.data.train_size).all()
     assert pipeline.storage.listdir("checkpoints") == []  # each removed once its run was logged
+    # each run's released weights lie in the folder, as a model file and nothing more
+    assert sorted(pipeline.storage.listdir("weights")) == sorted(
+        weights_file(r.key).removeprefix("weights/") for r in pipeline.runs
+    )
+    for child in children:
+        key = child.data.tags[KEY_TAG]
+        path = tmp_path / "runs" / pipeline.name / weights_file(key)
+        stored = torch.load(path, map_location="cpu", weights_only=True)
+        assert set(stored) == {"config", "model_state", "posterior"}  # no noise key
+        config, model, posterior = load_checkpoint(path)
+        assert config.flat()["seed"] == int(child.data.params["seed"])
+        assert (posterior is not None) == (config.optimizer.name == "dp-ivon-gradsq")
+        if posterior is None:  # the mean's predictive: the logged test accuracy again
+            test = evaluate_as_configured(config, model, load_data(config).test, None)
+            assert test.metrics["accuracy"] == pytest.approx(child.data.metrics["test_accuracy"])
 
 
 def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark, one_thread):

@@ -59,8 +59,10 @@ from dpivon.study.layout import (
     RELIABILITY_FILE,
     STATUS_TAG,
     is_completed,
+    weights_file,
 )
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
+from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.training_run import log_training_result
 from dpivon.training import (
@@ -297,6 +299,14 @@ def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
     tracker.end_run(run_id, "FINISHED")
 
 
+def _store_weights(storage: SweepStorage, spec: RunSpec, result: TrainResult) -> None:
+    """The run's released model as one file in the benchmark's folder, so that later
+    evaluations (calibration under shift, new metrics) need no retraining."""
+    buffer = io.BytesIO()
+    save_checkpoint(buffer, result.config, result.model, result.posterior)
+    storage.write_bytes(weights_file(spec.key), buffer.getvalue())
+
+
 def _fail(tracker: Tracker, run_id: str, message: str, status: str = "FAILED") -> None:
     tracker.set_tags(run_id, {STATUS_TAG: "failed", "error": message[:5000]})
     tracker.end_run(run_id, status)
@@ -457,6 +467,7 @@ def execute_runs(
                     message = error_line(err)
                 else:
                     _log_result(tracker, run_id, result)
+                    _store_weights(pipeline.storage, spec, result)
                     checkpoint.remove()  # the run's record is complete in MLflow
                     outcome.completed.append(spec.key)
                     bar.console.print(_finished_line(spec, result), highlight=False)

@@ -18,3 +18,11 @@ RELIABILITY_FILE = "reliability.json"  # the test reliability bins of a child ru
 def is_completed(run: Any) -> bool:
     """A child whose run returned and was fully logged (skipped by --resume)."""
     return run.data.tags.get(STATUS_TAG) == COMPLETED and run.info.status == "FINISHED"
+WEIGHTS_DIR = "weights"  # a completed run's model file (see weights_file), beside the state
+
+
+def weights_file(key: str) -> str:
+    """Where run ``key``'s released weights lie in the benchmark's folder: the model file of
+    `dpivon.tracking.checkpoints.save_checkpoint` (config, mean, IVON's posterior; no noise
+    key, no package copy), small enough to commit with the results."""
+    return f"{WEIGHTS_DIR}/{key.replace('|', '_')}.pt"

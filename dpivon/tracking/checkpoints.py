@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -12,7 +13,10 @@ from dpivon.models import build_model
 
 
 def save_checkpoint(
-    path: Path, config: TrainConfig, model: torch.nn.Module, posterior: Posterior | None
+    path: Path | BinaryIO,
+    config: TrainConfig,
+    model: torch.nn.Module,
+    posterior: Posterior | None,
 ) -> None:
     """Everything needed to rebuild the predictive: config, mean weights, posterior h."""
     torch.save(
