@@ -34,7 +34,9 @@ shown or described)::
     objectives:                      # exactly two, distinct
       - {metric: val_accuracy, mode: max}
       - {metric: val_ece, mode: min}
-    sampler: tpe                     # tpe | nsga2 | random
+    sampler: tpe                     # tpe | nsga2 | random (TPE draws a third of the
+                                     # trials at random, then models; a space's start:
+                                     # points run first)
     seed: 0                          # data split, training and Optuna seed; in [0, 2**32)
                                      # (not the random sampler's where the random-trials
                                      # bound holds)
@@ -45,6 +47,10 @@ shown or described)::
                                      # s3://bucket/prefix, gs://..., file://
                                      # (dpivon.orchestration.storage)
     max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
+    # noise_faithful: {batch_divisor: 16}   # TAN: each private trial runs batch B / k for
+    #                                # the target run's steps at its sigma / B (B: train's
+    #                                # batch_size); its own epsilon is computed, not the
+    #                                # group's, and export gives back the target run
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
     #   (neither train: may set a key the optimizer's space sets: the space would win)
