@@ -472,7 +472,7 @@ class EpochCheckpoint:
             raise DpivonError(f"checkpoint {path} is a directory; name a file")
         if path.exists():
             try:
-                saved = torch.load(path, map_location="cpu", weights_only=False)
+                saved = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as err:  # a truncated or foreign file: say which
                 raise DpivonError(f"checkpoint {path} is unreadable ({err}); delete it") from None
             if saved.get("config") != config.flat():

@@ -150,7 +150,7 @@ def test_shipped_pipeline_loads_and_every_trial_is_a_train_config(path):
                 spent = base["epsilon"] if pipeline.noise_faithful else eps
                 assert config.optimizer.name == name and config.privacy.epsilon == spent
                 assert config.model == pipeline.model
-                assert config.training.epochs == pipeline.epochs
+                assert config.training.epochs == pipeline.trial_epochs
                 assert config.training.batch_size <= pipeline.data.train_size
 
 
@@ -940,6 +940,18 @@ def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_g
     assert final.privacy.fixed_noise_multiplier is None and final.privacy.epsilon == 8.0
     assert privacy_plan(final, n).noise_multiplier == target_plan.noise_multiplier
     assert final.optimizer.lr == 0.7
+    # the target's 3 epochs as 1 trial epoch (one validation): the same steps and noise
+    once = load_pipeline(
+        _noise_faithful_pipeline(
+            tmp_path,
+            noise_faithful={"batch_divisor": 4, "trial_epochs": 1},
+            scheduler={"type": "none"},  # asha needs two epochs to stop a trial between
+        )
+    )
+    trial_once = parse_config(once.base_train_config("dp-sgd", 8.0))
+    assert (trial_once.training.epochs, trial_once.training.steps_per_epoch) == (1, plan.steps)
+    assert privacy_plan(trial_once, n).noise_multiplier == plan.noise_multiplier
+    assert trial_once.privacy.epsilon == spent
 
 
 @pytest.mark.parametrize(
@@ -949,6 +961,8 @@ def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_g
         ({"train": {"batch_size": 130}}, "batch_divisor 4 must divide train.batch_size 130"),
         ({"train": {"bma_samples": 2}}, "set train.batch_size"),
         ({"noise_faithful": {"batch_divisor": 1}}, "batch_divisor"),
+        ({"noise_faithful": {"batch_divisor": 4, "trial_epochs": 2}},
+         "trial_epochs 2 must divide epochs 3"),
     ],
 )
 def test_a_bad_noise_faithful_pipeline_is_one_clear_error(tmp_path, changes, message):

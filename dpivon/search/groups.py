@@ -382,7 +382,7 @@ def group_tuner(
                     metric=first_metric,
                     mode=first_mode,
                     time_attr="training_iteration",
-                    max_t=pipeline.epochs,
+                    max_t=pipeline.trial_epochs,
                     grace_period=pipeline.scheduler.grace_period,
                     reduction_factor=pipeline.scheduler.reduction_factor,
                 )

@@ -47,10 +47,11 @@ shown or described)::
                                      # s3://bucket/prefix, gs://..., file://
                                      # (dpivon.orchestration.storage)
     max_failures: 1                  # per-trial retries from the last epoch checkpoint, 0-100
-    # noise_faithful: {batch_divisor: 16}   # TAN: each private trial runs batch B / k for
-    #                                # the target run's steps at its sigma / B (B: train's
-    #                                # batch_size); its own epsilon is computed, not the
-    #                                # group's, and export gives back the target run
+    # noise_faithful: {batch_divisor: 16, trial_epochs: 5}   # TAN: each private trial runs
+    #                                # batch B / k for the target run's steps at its sigma / B
+    #                                # (B: train's batch_size; trial_epochs, which divides
+    #                                # epochs: the trials' epochs, each validated); its own
+    #                                # epsilon is computed, and export gives back the target
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
     #   (neither train: may set a key the optimizer's space sets: the space would win)
@@ -182,6 +183,9 @@ class NoiseFaithful(StrictModel):
     gradient (:func:`dpivon.privacy.accounting.noise_faithful_plan`)."""
 
     batch_divisor: Annotated[Int, Bound(ge=2, le=1024)]
+    # the trials' epochs, each validated (None: the target's): the target's steps in fewer,
+    # longer epochs, so that validation does not cost what the smaller batch saved
+    trial_epochs: Annotated[Int, Bound(ge=1)] | None = None
 
 
 class Objective(StrictModel):
@@ -269,7 +273,20 @@ class Pipeline(RunFile):
                 f"noise_faithful.batch_divisor {divisor} must divide train.batch_size {batch} "
                 "(trials run at batch_size / batch_divisor)"
             )
+        if self.epochs % self.trial_epochs:  # the target's epochs, in whole trial epochs
+            raise ValueError(
+                f"noise_faithful.trial_epochs {self.trial_epochs} must divide epochs "
+                f"{self.epochs} (each trial epoch runs a whole number of the target's)"
+            )
         return self
+
+    @property
+    def trial_epochs(self) -> int:
+        """The epochs (validation points) of each trial: ``noise_faithful.trial_epochs``,
+        else ``epochs``."""
+        if self.noise_faithful is None or self.noise_faithful.trial_epochs is None:
+            return self.epochs
+        return self.noise_faithful.trial_epochs
 
     @model_validator(mode="after")
     def _check_budget_kind(self) -> Pipeline:
@@ -303,15 +320,16 @@ class Pipeline(RunFile):
     @model_validator(mode="after")
     def _check_scheduler(self) -> Pipeline:
         if isinstance(self.scheduler, AshaScheduler):
-            if self.epochs < 2:
+            epochs = self.trial_epochs
+            if epochs < 2:
                 raise ValueError(
-                    f"scheduler asha needs epochs >= 2 (it stops trials between epochs), got "
-                    f"epochs {self.epochs}; use scheduler {{type: none}}"
+                    f"scheduler asha needs trials of epochs >= 2 (it stops trials between "
+                    f"epochs), got {epochs}; use scheduler {{type: none}}"
                 )
-            if self.scheduler.grace_period >= self.epochs:
+            if self.scheduler.grace_period >= epochs:
                 raise ValueError(
                     f"scheduler.grace_period ({self.scheduler.grace_period}) must be below "
-                    f"epochs ({self.epochs}), else asha never stops a trial"
+                    f"the trials' epochs ({epochs}), else asha never stops a trial"
                 )
         return self
 
@@ -450,9 +468,9 @@ class Pipeline(RunFile):
                 TrialMechanism(
                     keys["fixed_noise_multiplier"],
                     keys["batch_size"] / self.data.train_size,
-                    self.epochs * keys["steps_per_epoch"],
+                    keys["epochs"] * keys["steps_per_epoch"],
                     self.validation_noise,
-                    self.epochs if self.validation_noise > 0 else 0,
+                    keys["epochs"] if self.validation_noise > 0 else 0,
                 )
             ]
         batch_sizes = self.spaces[optimizer].all_values("batch_size")
@@ -526,9 +544,12 @@ class Pipeline(RunFile):
             self.epochs,
             self.accountant,
         )
+        target_epochs_per_epoch = self.epochs // self.trial_epochs
         return {
             "batch_size": batch // divisor,
-            "steps_per_epoch": sampling_schedule(self.data.train_size, batch)[1],
+            "epochs": self.trial_epochs,
+            "steps_per_epoch": target_epochs_per_epoch
+            * sampling_schedule(self.data.train_size, batch)[1],
             "fixed_noise_multiplier": sigma,
             "epsilon": epsilon,
         }

@@ -56,7 +56,7 @@ def tuning_privacy(
     (released), and the composition of the trials that ran with their number (kept
     private where the released report must not reveal the trial count)."""
     conditions = pipeline.conditions
-    releases = pipeline.epochs if pipeline.validation_noise > 0 else 0
+    releases = pipeline.trial_epochs if pipeline.validation_noise > 0 else 0
     reports, private = {}, {}
     for (optimizer, budget), drawn in counts.items():
         group = group_name(optimizer, budget)
@@ -101,7 +101,7 @@ def tuning_privacy(
 def noise_faithful_statement(pipeline: Pipeline, budget: float, trial_epsilon: float) -> str:
     """What a noise-faithful group's trials ran, and on which records, in one sentence."""
     keys = pipeline.noise_faithful_settings(budget)
-    steps = pipeline.epochs * keys["steps_per_epoch"]
+    steps = keys["epochs"] * keys["steps_per_epoch"]
     target = pipeline.train["batch_size"]
     return (
         f"noise-faithful tuning (TAN, Sander et al. 2023): each trial ran batch "
