@@ -36,7 +36,7 @@ from dpivon.privacy.noise import (
     without_key,
 )
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
-from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
+from dpivon.privacy.tuning import TrialMechanism, check_tuning_cost, compose_with_tuning
 from dpivon.privacy.validation import private_validation_scores
 
 # Metrics computed on raw training batches: a private run's epsilon does not cover them.
@@ -295,6 +295,8 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
     resolve_device(config.runtime.device)
     if config.is_private:
         privacy_plan(config, n_train)
+    if (tuning := config.privacy.tuning) is not None:
+        check_tuning_cost(tuning.quoted_rdp, tuning.quoted_epsilon, config.privacy.delta)
 
 
 def privacy_plan(config: TrainConfig, n_train: int) -> PrivacyPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 from dp_accounting import dp_event
@@ -17,6 +18,7 @@ from dpivon.privacy.tuning import (
     _max_rdp_curve,
     _repeat_and_select_epsilon_from_curve,
     candidate_mechanisms,
+    check_tuning_cost,
     composition_epsilon,
     composition_facts,
     epsilon_from_rdp,
@@ -286,3 +288,52 @@ def test_report_per_trial_max_over_heterogeneous_trials():
     assert report["per_trial_epsilon_max"] == pytest.approx(
         max(trial_epsilon(t, DELTA) for t in HETERO)
     )
+
+
+# A tuning cost in a config is dpivon's computation (`dpivon export`), never a claim.
+_QUOTE = Path(__file__).resolve().parents[1] / (
+    "results/compare-eps3/compare-eps3-tuning/tuning_privacy.json"
+)
+
+
+@pytest.mark.parametrize(
+    ("forge", "message"),
+    [
+        (lambda t: {**t, "quoted_rdp": [-100.0] * len(t["quoted_rdp"])}, "negative or NaN"),
+        (lambda t: {**t, "quoted_rdp": [math.nan] * len(t["quoted_rdp"])}, "negative or NaN"),
+        (lambda t: {**t, "quoted_rdp": t["quoted_rdp"][:10]}, "holds 10 values"),
+        (lambda t: {**t, "quoted_epsilon": -5.0}, "quoted_epsilon -5 is below"),
+        (lambda t: {**t, "quoted_epsilon": 0.1}, "quoted_epsilon 0.1 is below"),
+    ],
+)
+def test_a_forged_tuning_cost_is_refused_before_any_run(tmp_path, forge, message):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from dpivon.cli import app
+
+    quote = json.loads(_QUOTE.read_text())["eps3-dp-sgd"]
+    tuning = {
+        "sweep": "compare-eps3-tuning",
+        "group": "eps3-dp-sgd",
+        "quoted_epsilon": quote["quoted_epsilon"],
+        "quote": quote["quote"],
+        "release": quote["release"],
+        "records_covered": quote["records_covered"],
+        "quoted_rdp": [float(v) for v in quote["quoted_rdp"]],
+    }
+    config = {
+        "optimizer": "dp-sgd", "dataset": "synthetic", "synthetic_size": 400, "model": "small-cnn",
+        "epochs": 1, "batch_size": 64, "epsilon": 8.0,
+    }
+    path = tmp_path / "forged.yaml"
+    path.write_text(yaml.safe_dump({**config, "privacy": {"tuning": forge(tuning)}}))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ran = CliRunner().invoke(app, ["train", "--config", str(path), "--tracking-uri", uri])
+    assert ran.exit_code == 2, ran.output
+    assert message in " ".join(ran.output.split()) and "Traceback" not in ran.output
+    assert not (tmp_path / "mlflow.db").exists()  # refused before a store or run was opened
+    # the genuine cost passes the same check
+    check_tuning_cost(tuning["quoted_rdp"], tuning["quoted_epsilon"], 1e-5)

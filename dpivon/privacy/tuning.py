@@ -143,6 +143,31 @@ def epsilon_from_rdp(rdp: Sequence[float], delta: float) -> float:
     return float(_rdp.compute_epsilon(ORDERS, np.asarray(rdp, dtype=np.float64), delta)[0])
 
 
+def check_tuning_cost(quoted_rdp: Sequence[float], quoted_epsilon: float, delta: float) -> None:
+    """A tuning cost that a config carries (`dpivon export` writes it) is something dpivon
+    computed, never something a config may claim: refuse an RDP curve of the wrong length
+    or with a negative or NaN order, and a quoted epsilon below what that curve gives (a
+    quote can only be the curve's epsilon or a bound above it)."""
+    curve = np.asarray(quoted_rdp, dtype=np.float64)
+    if curve.shape != (len(ORDERS),):
+        raise DpivonError(
+            f"privacy.tuning.quoted_rdp holds {curve.size} values, not one per RDP order "
+            f"({len(ORDERS)}): it is not what `dpivon export` wrote; export the config again"
+        )
+    if np.isnan(curve).any() or (curve < 0).any():
+        raise DpivonError(
+            "privacy.tuning.quoted_rdp has a negative or NaN order: no mechanism has that "
+            "curve; export the config again from its sweep"
+        )
+    floor = epsilon_from_rdp(curve, delta)
+    if not quoted_epsilon >= floor - 1e-9 * max(1.0, floor):
+        raise DpivonError(
+            f"privacy.tuning.quoted_epsilon {quoted_epsilon:g} is below {floor:.4g}, the "
+            "epsilon of its own quoted_rdp at this delta: a cost dpivon computes cannot be "
+            "lowered by hand; export the config again"
+        )
+
+
 def compose_with_tuning(
     production: TrialMechanism, tuning_rdp: Sequence[float], delta: float
 ) -> float:
