@@ -700,7 +700,7 @@ def test_a_shipped_run_file_refuses_each_invalid_change(workdir, load_path, chan
         key, words = "concurrency", "concurrency must be in"  # a benchmark has no trials
     tree[key] = value
     for other in also:  # harmless changes alongside
-        harmless = {"experiment": "fuzz", "epochs": tree.get("epochs", 10) + 1, "delta": 1e-6}
+        harmless = {"experiment": "fuzz", "epochs": tree.get("epochs", 10) * 2, "delta": 1e-6}
         tree[other] = harmless[other]
     path = workdir / "must-refuse.yaml"
     path.write_text(_emit(tree))

@@ -636,8 +636,10 @@ BAD_PIPELINES = {
     "accountant": (_set("accountant", "gdp"), "accountant: must be one of 'rdp' or 'prv'"),
     "sampler": (_set("sampler", "cmaes"), "sampler: must be one of"),
     "trial-count": (_set("trial_count", "binomial"), "trial_count: must be one of"),
-    "asha-one-epoch": (_set("epochs", 1), "asha needs epochs >= 2"),
-    "asha-grace": (_set("scheduler.grace_period", 3), "grace_period (3) must be below epochs (3)"),
+    "asha-one-epoch": (_set("epochs", 1), "asha needs trials of epochs >= 2"),
+    "asha-grace": (
+        _set("scheduler.grace_period", 3), "grace_period (3) must be below the trials' epochs (3)"
+    ),
     "asha-reduction": (
         _set("scheduler.reduction_factor", 1),
         "scheduler.reduction_factor: must be >",

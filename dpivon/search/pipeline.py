@@ -659,7 +659,10 @@ def _check_trials(pipeline: Pipeline, where: str) -> None:
         for optimizer, eps in pipeline.groups:
             if optimizer != name:
                 continue
-            base = pipeline.base_train_config(name, eps)
+            try:  # a noise-faithful group calibrates its trials' noise here
+                base = pipeline.base_train_config(name, eps)
+            except DpivonError as err:
+                raise DpivonError(f"{prefix}: epsilons: {err}") from None
             try:
                 config = TrainConfig.model_validate(base)
             except ValidationError as err:
