@@ -23,7 +23,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
-from dpivon.metrics import ReliabilityDiagram, reliability_diagram
+from dpivon.metrics import ReliabilityDiagram, json_number, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
@@ -182,7 +182,7 @@ class TrainResult:
         if self.test is not None:
             out.update({f"test_{k}": v for k, v in self.test.items()})
         out.update(self.extra)
-        return {k: _json_number(v) for k, v in out.items()}
+        return {k: json_number(v) for k, v in out.items()}
 
     def tuning_summary(self) -> dict[str, float | str]:
         """What this run's epsilon covers; for a config chosen by a sweep also the tuning
@@ -219,13 +219,6 @@ class TrainResult:
         }
 
 
-def _json_number(value):
-    """JSON has no inf/NaN: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -249,6 +242,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def synthetic_sizes(config: TrainConfig) -> tuple[int, int]:
+    """(train, test) images of a synthetic data set: the test set a fifth of the training."""
+    return config.data.synthetic_size, max(config.data.synthetic_size // 5, 10)
+
+
 def load_data(config: TrainConfig) -> DataSplits:
     return load_splits(
         config.data.dataset,
@@ -256,7 +254,7 @@ def load_data(config: TrainConfig) -> DataSplits:
         val_size=config.data.val_size,
         per_class=config.data.per_class,
         seed=config.split_seed,
-        synthetic_sizes=(config.data.synthetic_size, max(config.data.synthetic_size // 5, 10)),
+        synthetic_sizes=synthetic_sizes(config),
     )
 
 
