@@ -76,7 +76,7 @@ console = Console(stderr=True)
 
 
 # The arguments that name what a command works on, for the line of an unexpected error
-_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer")
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer", "model_uri")
 
 
 def _subject(kwargs: dict[str, Any]) -> str:

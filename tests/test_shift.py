@@ -4,14 +4,20 @@ metrics (a hand-computed case and scikit-learn), and their scoring of a model.""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import CIFAR10_TARBALL
+from mlflow import MlflowClient
 from sklearn.metrics import roc_auc_score
+from typer.testing import CliRunner
 
+from dpivon.cli import app
 from dpivon.data import load_cifar10, synthetic_cifar10
 from dpivon.data.corruptions import CORRUPTIONS, corrupt_images, load_corrupted
 from dpivon.errors import DpivonError
@@ -32,6 +38,8 @@ from dpivon.shift import (
     shift_images,
     uncertainty_scores,
 )
+from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.served_model import load_scored_model
 
 # --- the corrupted sets ----------------------------------------------------------------------
 
@@ -76,7 +84,7 @@ def test_the_default_corruptions_move_farther_from_the_clean_images_with_severit
         _distance(arrays.images, corrupt_images(arrays.images, keys, corruption, severity))
         for severity in range(1, 6)
     ]
-    assert all(a < b for a, b in zip(distances, distances[1:], strict=False)), distances
+    assert all(a < b for a, b in itertools.pairwise(distances)), distances
 
 
 def test_over_all_19_corruptions_the_mean_distance_grows_with_severity(cifar_test):
@@ -86,7 +94,7 @@ def test_over_all_19_corruptions_the_mean_distance_grows_with_severity(cifar_tes
         np.mean([_distance(images, corrupt_images(images, keys, c, s)) for c in CORRUPTIONS])
         for s in range(1, 6)
     ]
-    assert all(a < b for a, b in zip(means, means[1:], strict=False)), means
+    assert all(a < b for a, b in itertools.pairwise(means)), means
 
 
 def test_cifar10c_constants_not_imagenet_c(cifar_test):
@@ -226,3 +234,101 @@ def test_evaluate_shift_scores_clean_and_every_corruption_and_severity(tmp_path,
     assert means["shift_s0_accuracy"] == result.rows[0]["accuracy"]
     assert "shift_s1_auroc_entropy" in means and "shift_s1_auroc_mi" not in means
     assert len(list(tmp_path.glob("cifar10c-*.npz"))) == 4
+
+
+# --- everywhere a run is scored: dpivon train --shift, dpivon evaluate ------------------------
+
+runner = CliRunner()
+SHIFT_ARGS = ("--corruption", "gaussian_noise", "--corruption", "contrast", "--severity", "1",
+              "--severity", "5", "--per-class", "3")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory) -> tuple[Path, str, dict]:
+    """A short synthetic dp-ivon-gradsq run, trained with --shift default: (its folder, its
+    model URI, its --json summary)."""
+    work = tmp_path_factory.mktemp("shift")
+    out = work / "out.json"
+    result = runner.invoke(app, [
+        "train", "--dataset", "synthetic", "--set", "synthetic_size=300", "--model", "small-cnn",
+        "--optimizer", "dp-ivon-gradsq", "--epochs", "1", "--batch-size", "64",
+        "--bma-samples", "2", "--tracking-uri", f"sqlite:///{work}/mlflow.db", "--json", str(out),
+        "--shift", "default",
+    ], env={"DPIVON_CACHE": str(work / "cache")})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    return work, f"runs:/{summary['mlflow_run_id']}/model", summary
+
+
+def test_train_shift_writes_the_metrics_to_json_and_mlflow(logged):
+    work, model_uri, summary = logged
+    for severity in range(6):  # the default set: 4 corruptions x 5 severities, and clean
+        for metric in ("accuracy", "ece", "nll", "aurc_maxprob", "auroc_entropy", "auroc_mi"):
+            assert f"test_shift_s{severity}_{metric}" in summary
+    run = MlflowClient(f"sqlite:///{work}/mlflow.db").get_run(model_uri.split("/")[1])
+    assert run.data.metrics["test_shift_s3_ece"] == pytest.approx(summary["test_shift_s3_ece"])
+    record = MlflowClient(f"sqlite:///{work}/mlflow.db").download_artifacts(
+        run.info.run_id, "shift.json", str(work)
+    )
+    sets = json.loads(Path(record).read_text())["sets"]
+    assert len(sets) == 1 + 4 * 5 and sets[0]["corruption"] == "none"
+
+
+def evaluate_cli(work: Path, model: str, *args: str) -> dict:
+    out = work / "evaluate.json"
+    result = runner.invoke(
+        app,
+        ["evaluate", model, *args, "--json", str(out), "--tracking-uri",
+         f"sqlite:///{work}/mlflow.db"],
+        env={"DPIVON_CACHE": str(work / "cache")},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_evaluate_scores_a_logged_model_without_retraining(logged):
+    work, model_uri, summary = logged
+    scored = evaluate_cli(work, model_uri, *SHIFT_ARGS)
+    assert scored["optimizer"] == "dp-ivon-gradsq" and scored["bma_samples"] == 2
+    assert scored["images"] == 30 and scored["severities"] == [1, 5]
+    assert [(s["corruption"], s["severity"]) for s in scored["sets"]] == [
+        ("none", 0), ("gaussian_noise", 1), ("gaussian_noise", 5), ("contrast", 1),
+        ("contrast", 5),
+    ]  # fmt: skip
+    for key in ("shift_s0_accuracy", "shift_s5_ece", "shift_s1_aurc_mi", "shift_s5_auroc_mi"):
+        assert key in scored
+    # the default set, as the run's own --shift scored it: the same model, draws and images
+    default = evaluate_cli(work, model_uri)
+    assert default["corruptions"] == list(DEFAULT_CORRUPTIONS)
+    means = {k: v for k, v in default.items() if k.startswith("shift_s")}
+    assert means == {k.removeprefix("test_"): v for k, v in summary.items() if "_shift_" in k}
+
+
+def test_evaluate_takes_a_model_file_as_committed_weights_are(logged):
+    work, model_uri, _ = logged
+    config, model, posterior = load_scored_model(model_uri, f"sqlite:///{work}/mlflow.db")
+    weights = work / "model.pt"
+    save_checkpoint(weights, config, model, posterior)
+    from_file = evaluate_cli(work, str(weights), *SHIFT_ARGS)
+    from_run = evaluate_cli(work, model_uri, *SHIFT_ARGS)
+    assert from_file["sets"] == from_run["sets"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{work}/no-such-model"], "does not exist"),
+        (["runs:/0123456789abcdef/model"], "cannot load the model runs:/0123456789abcdef/model"),
+        (["{model}", "--corruption", "fogg"], "unknown corruption 'fogg'"),
+        (["{model}", "--severity", "6"], "severity must be an integer from 1 to 5, got 6"),
+        (["{model}", "--severity", "0"], "severity must be an integer from 1 to 5, got 0"),
+    ],
+)
+def test_evaluate_refuses_bad_input_in_one_line_with_exit_2(logged, args, message):
+    work, model_uri, _ = logged
+    filled = [a.format(work=work, model=model_uri) for a in args]
+    result = runner.invoke(
+        app, ["evaluate", *filled, "--tracking-uri", f"sqlite:///{work}/mlflow.db"]
+    )
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
