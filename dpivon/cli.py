@@ -892,7 +892,8 @@ def evaluate(
     sets = len(result.rows)
     console.print(
         f"{sets} sets of {result.images} images: {result.seconds['predict_s']:.1f} s predicting "
-        f"({samples if posterior is not None else 0} posterior draws), "
+        f"({result.seconds['predict_cpu_s']:.1f} s of CPU; "
+        f"{samples if posterior is not None else 0} posterior draws), "
         f"{result.seconds['corrupt_s']:.1f} s making or reading the corrupted sets",
         highlight=False,
     )
