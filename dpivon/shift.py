@@ -17,6 +17,7 @@ family), and ``full`` (the 19 corruptions on every test image: 960,000 predictio
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,7 @@ from dpivon.selective import selective_metrics
 # make (under 2.5 ms an image here) and growing away from the clean image with severity.
 DEFAULT_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "fog", "contrast")
 DEFAULT_PER_CLASS = 50
+VALIDATION_SHIFT_METRICS = ("accuracy", "ece", "nll")  # a sweep's objectives val_shift_*
 SHIFT_FILE = "shift.json"  # a run's artifact: every set's metrics (`ShiftResult.record`)
 SUBSET_SEED = 0  # which test images the default set takes: fixed, so every model sees the same
 
@@ -205,3 +207,31 @@ def evaluate_shift_as_configured(
         seed=config.runtime.seed,
         n_bins=config.evaluation.ece_bins,
     )
+
+
+def validation_shift_scores(
+    config: TrainConfig, val_images: ImageArrays | None, severity: int
+) -> Callable[[nn.Module, Posterior | None], dict[str, float]]:
+    """An epoch's scores under shift for a sweep's objectives: ``shift_accuracy``,
+    ``shift_ece`` and ``shift_nll`` (`dpivon.training` prefixes ``val_``), the means over
+    `DEFAULT_CORRUPTIONS` at ``severity`` of the validation images (at most
+    `DEFAULT_PER_CLASS` per class), with the per-epoch validation's posterior draws."""
+    check_severity(severity)
+    if val_images is None:
+        raise DpivonError("these data splits carry no validation images to corrupt")
+    shift_set = ShiftSet(DEFAULT_CORRUPTIONS, (severity,))
+
+    def scores(model: nn.Module, posterior: Posterior | None) -> dict[str, float]:
+        result = evaluate_shift(
+            model,
+            posterior,
+            val_images,
+            shift_set,
+            bma_samples=config.evaluation.val_bma_samples,
+            seed=config.runtime.seed,
+            n_bins=config.evaluation.ece_bins,
+        )
+        means = result.by_severity()
+        return {f"shift_{m}": means[f"shift_s{severity}_{m}"] for m in VALIDATION_SHIFT_METRICS}
+
+    return scores

@@ -126,6 +126,8 @@ class StepReport:
 
 
 StepCallback = Callable[[StepReport], None]
+# More validation scores of an epoch's model and posterior (`dpivon.shift`'s under shift)
+ValidationScores = Callable[[nn.Module, Posterior | None], dict[str, float]]
 
 
 @dataclass
@@ -546,6 +548,7 @@ class _TrainingRun:
         self.steps_done = 0
         self.posterior: Posterior | None = None
         self.val: dict[str, float] | None = None  # the last epoch's released scores
+        self.extra_validation: ValidationScores | None = None
 
     @classmethod
     def set_up(
@@ -608,6 +611,8 @@ class _TrainingRun:
                 config, setup.model, self.data.val, self.posterior, bma_samples=val_samples
             )
             self.val = _validation_scores(config, setup, val)
+            if self.extra_validation is not None:  # e.g. a sweep's objective under shift
+                self.val = {**self.val, **self.extra_validation(setup.model, self.posterior)}
         metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
         metrics.update({f"val_{k}": v for k, v in self.val.items()})
         if setup.private is not None:
@@ -695,11 +700,15 @@ def train(
     evaluate_test: bool = True,
     on_step: StepCallback | None = None,
     phases: PhaseTimes | None = None,
+    extra_validation: ValidationScores | None = None,
 ) -> TrainResult:
     """Train ``config`` and evaluate it; see the module docstring for the pipeline.
-    ``phases`` (a fresh one if None) accumulates the seconds of each phase."""
+    ``phases`` (a fresh one if None) accumulates the seconds of each phase;
+    ``extra_validation`` adds its scores of the model and posterior to each epoch's
+    validation scores (``val_<key>``)."""
     started = time.perf_counter()
     run = _TrainingRun.set_up(config, data, phases if phases is not None else PhaseTimes(), on_step)
+    run.extra_validation = extra_validation
     if resume_state is not None:
         run.restore(resume_state)
     for epoch in range(run.first_epoch + 1, config.training.epochs + 1):

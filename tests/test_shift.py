@@ -15,14 +15,17 @@ import torch
 from conftest import CIFAR10_TARBALL
 from mlflow import MlflowClient
 from sklearn.metrics import roc_auc_score
+from sweep_helpers import write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
+from dpivon.config import TrainConfig
 from dpivon.data import load_cifar10, synthetic_cifar10
 from dpivon.data.corruptions import CORRUPTIONS, corrupt_images, load_corrupted
 from dpivon.errors import DpivonError
 from dpivon.models import build_model
 from dpivon.prediction import Predictions
+from dpivon.search.pipeline import load_pipeline
 from dpivon.selective import (
     accuracy_at_coverage,
     aurc,
@@ -37,9 +40,11 @@ from dpivon.shift import (
     evaluate_shift,
     shift_images,
     uncertainty_scores,
+    validation_shift_scores,
 )
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.served_model import load_scored_model
+from dpivon.training import load_data, train
 
 # --- the corrupted sets ----------------------------------------------------------------------
 
@@ -332,3 +337,41 @@ def test_evaluate_refuses_bad_input_in_one_line_with_exit_2(logged, args, messag
     )
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+
+
+# --- a sweep objective under shift ------------------------------------------------------------
+
+SHIFT_OBJECTIVES = [{"metric": "val_shift_ece", "mode": "min"},
+                    {"metric": "val_accuracy", "mode": "max"}]  # fmt: skip
+
+
+def test_a_sweep_may_choose_ece_at_a_severity_as_an_objective(tmp_path):
+    pipeline = load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES))
+    assert pipeline.validation_shift_severity == 3  # the default severity
+    chosen = load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, shift_severity=5))
+    assert chosen.validation_shift_severity == 5
+    assert load_pipeline(write_pipeline(tmp_path)).validation_shift_severity is None
+    with pytest.raises(DpivonError, match="shift_severity"):
+        load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, shift_severity=6))
+    with pytest.raises(DpivonError, match="objective val_shift_ece would be exact"):
+        load_pipeline(
+            write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, validation_noise=1.0)
+        )
+
+
+def test_training_reports_the_shift_objectives_every_epoch(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path))
+    config = TrainConfig(
+        optimizer="dp-ivon-gradsq", dataset="synthetic", synthetic_size=300, model="small-cnn",
+        epochs=2, batch_size=64, val_bma_samples=2, epsilon=8,
+    )  # fmt: skip
+    data = load_data(config)
+    scores = validation_shift_scores(config, data.val_images, 2)
+    result = train(config, data=data, evaluate_test=False, extra_validation=scores)
+    assert [sorted(k for k in epoch if "shift" in k) for epoch in result.history] == [
+        ["val_shift_accuracy", "val_shift_ece", "val_shift_nll"]
+    ] * 2
+    # the last epoch's numbers are those of the trained model and posterior
+    again = scores(result.model, result.posterior)
+    assert result.history[-1]["val_shift_ece"] == again["shift_ece"]
+    assert result.val["shift_accuracy"] == again["shift_accuracy"]

@@ -106,13 +106,14 @@ def load_test_images(
 @dataclass(frozen=True)
 class DataSplits:
     """Train, validation and test tensor datasets plus the class names, and the uint8
-    test images the test tensors were made from (what corruptions start from,
+    validation and test images the tensors were made from (what corruptions start from,
     `dpivon.shift`)."""
 
     train: TensorDataset
     val: TensorDataset
     test: TensorDataset
     classes: tuple[str, ...]
+    val_images: ImageArrays | None = None
     test_images: ImageArrays | None = None
 
 
@@ -142,5 +143,6 @@ def load_splits(
         val=to_tensor_dataset(val),
         test=to_tensor_dataset(test),
         classes=train.classes,
+        val_images=val,
         test_images=test,
     )
