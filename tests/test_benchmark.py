@@ -253,7 +253,7 @@ def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_seve
     assert "| alpha | 1 | 3 | 0.001 ± 0.001 | 0.011 ± 0.001 | 0.021 ± 0.001 |" in markdown
     assert "| beta | 8 | 3 | 0.001 ± 0.001 | 0.021 ± 0.001 |" in markdown
     # selective prediction: clean and severity 3; beta has no mutual information
-    assert "| method | eps | seeds | images | accuracy % | AURC | AUROC MI |" in markdown
+    assert "| method | eps | seeds | shift | accuracy % | AURC | AUROC MI |" in markdown
     assert "| alpha | 1 | 3 | clean | 50.0 ± 0.0 | 0.300 ± 0.000 | 0.600 ± 0.000 |" in markdown
     assert "| beta | 1 | 3 | severity 3 | 35.0 ± 0.0 | 0.330 ± 0.000 | - |" in markdown
     plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])

@@ -37,8 +37,8 @@ SHIFT_PANELS = (("accuracy", "accuracy"), ("ece", "ECE"), ("nll", "NLL"))
 SELECTIVE_COLUMNS = (
     ("accuracy", "accuracy %", 100.0, 1),
     ("aurc_maxprob", "AURC", 1.0, 3),
-    ("acc_at_90_maxprob", "acc @90 % %", 100.0, 1),
-    ("acc_at_80_maxprob", "acc @80 % %", 100.0, 1),
+    ("acc_at_90_maxprob", "acc. % at 90 % coverage", 100.0, 1),
+    ("acc_at_80_maxprob", "acc. % at 80 % coverage", 100.0, 1),
     ("auroc_maxprob", "AUROC max-p", 1.0, 3),
     ("auroc_entropy", "AUROC entropy", 1.0, 3),
     ("auroc_mi", "AUROC MI", 1.0, 3),
@@ -142,7 +142,7 @@ def selective_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the selective-prediction table: per (method, epsilon) and shift
     (clean, severity 3), the columns of `SELECTIVE_COLUMNS` that some run logged."""
     columns = [c for c in SELECTIVE_COLUMNS if f"{c[0]}_mean" in table]
-    header = ["method", "eps", "seeds", "images", *(h for _, h, _, _ in columns)]
+    header = ["method", "eps", "seeds", "shift", *(h for _, h, _, _ in columns)]
     rows = []
     for _, row in table[table["severity"].isin(SELECTIVE_SEVERITIES)].iterrows():
         shift = "clean" if row["severity"] == 0 else f"severity {row['severity']}"
