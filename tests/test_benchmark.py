@@ -763,3 +763,23 @@ def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
     )
     logged = client.download_artifacts(parent.info.run_id, "pipeline.yaml", str(tmp_path))
     assert Path(logged).read_text() == Path(path).read_text()
+
+
+@pytest.mark.slow
+def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))
+    methods = [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}]
+    path = write_benchmark(tmp_path, name="shifted", methods=methods, epsilons=[8],
+                           shift="default")  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        outcome = run_benchmark(load_benchmark(path))
+    finally:
+        ray.shutdown()
+    assert not outcome.failed and len(outcome.completed) == 3
+    _, _, children = runs_of(tmp_path, "dpivon-shifted")
+    for child in children:
+        assert {f"test_shift_s{k}_ece" for k in range(6)} <= child.data.metrics.keys()
+    markdown = outcome.report.markdown()
+    assert "![shift.png](figures/shift.png)" in markdown
+    assert "| dp-sgd | 8 | 3 | clean |" in markdown

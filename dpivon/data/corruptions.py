@@ -4,12 +4,13 @@ The 19 corruptions of CIFAR-10-C (15, then the 4 extra ones: speckle noise, Gaus
 spatter, saturate) at severities 1-5. The constants are CIFAR-10-C's for 32x32 images, from
 the script that made it (`make_cifar_c.py`, hendrycks/robustness, ImageNet-C/create_c/):
 they differ from the ImageNet-C constants that `imagecorruptions` hard-codes for every
-corruption (ImageNet-C's Gaussian noise std at severity 1 is CIFAR-10-C's at 5 x 2). The
-library (`imagecorruptions-imaug` 1.1.5, the numpy-2 fork of `imagecorruptions`) supplies
-what is more than a formula: the glass blur's pixel shuffle, the defocus disk, the motion
-blur (its numpy kernel stands in for ImageMagick's), the zoom, the fog's plasma fractal and
-the frost pictures. One exception: `spatter` is the library's own function at ImageNet-C's
-constants (CIFAR-10-C's version is a different algorithm, not only other constants).
+corruption (the Gaussian noise std runs 0.08-0.38 over ImageNet-C's severities, 0.04-0.10
+over CIFAR-10-C's). The library (`imagecorruptions-imaug` 1.1.5, the numpy-2 fork of
+`imagecorruptions`) supplies what is more than a formula: the glass blur's pixel shuffle,
+the defocus disk, the motion blur (its numpy kernel stands in for ImageMagick's), the zoom,
+the fog's plasma fractal and the frost pictures. One exception: `spatter` is the library's
+own function at ImageNet-C's constants (CIFAR-10-C's is another algorithm, not only other
+constants).
 
 Deterministic: every image draws from its own generator, seeded by the corruption, the
 severity and the image's key (its index in the test set), so a subset of images is
