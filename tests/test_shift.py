@@ -10,7 +10,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
+import ray
 import torch
 from conftest import CIFAR10_TARBALL
 from mlflow import MlflowClient
@@ -26,6 +28,7 @@ from dpivon.errors import DpivonError
 from dpivon.models import build_model
 from dpivon.prediction import Predictions
 from dpivon.search.pipeline import load_pipeline
+from dpivon.search.sweep import run_sweep
 from dpivon.selective import (
     accuracy_at_coverage,
     aurc,
@@ -375,3 +378,18 @@ def test_training_reports_the_shift_objectives_every_epoch(tmp_path, monkeypatch
     again = scores(result.model, result.posterior)
     assert result.history[-1]["val_shift_ece"] == again["shift_ece"]
     assert result.val["shift_accuracy"] == again["shift_accuracy"]
+
+
+@pytest.mark.slow
+def test_a_sweep_on_ece_under_shift_finishes_with_its_front(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))  # before Ray's workers start
+    pipeline = load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        trials = run_sweep(pipeline)
+    finally:
+        ray.shutdown()
+    assert (trials["status"] == "completed").all()
+    assert trials[["val_shift_ece", "val_shift_accuracy", "val_shift_nll"]].notna().all().all()
+    front = pd.read_csv(tmp_path / "runs" / pipeline.name / "pareto_front.csv")
+    assert len(front) >= 1 and "val_shift_ece" in front
