@@ -76,7 +76,7 @@ console = Console(stderr=True)
 
 
 # The arguments that name what a command works on, for the line of an unexpected error
-_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer")
+_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer", "model_uri")
 
 
 def _subject(kwargs: dict[str, Any]) -> str:
@@ -293,9 +293,17 @@ def train(
     profile: Opt[
         bool, typer.Option(help="print where the time went (and add profile_*_s to --json)")
     ] = False,
+    shift: Opt[
+        str | None,
+        typer.Option(
+            help="also score the model under dataset shift, as dpivon evaluate does: the "
+            "default set or the full one (test_shift_* in --json and MLflow)"
+        ),
+    ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
     from dpivon.privacy.accounting import check_plan_reachable
+    from dpivon.shift import SHIFT_FILE, evaluate_shift_as_configured
     from dpivon.tracking.client import Tracker
     from dpivon.tracking.training_run import log_training_result
     from dpivon.training import (
@@ -315,6 +323,7 @@ def train(
         else [parse_config(overrides, source="options")]
     )
     check_outputs(json_path, experiment)
+    shift_set = shift_set_named(shift) if shift is not None else None
     for cfg in configs:  # before any data is read: an epsilon no noise can reach
         if cfg.is_private:
             check_plan_reachable(cfg)
@@ -371,6 +380,13 @@ def train(
                     resume_state=saved.state if saved is not None else None,
                     phases=times,
                 )
+            if shift_set is not None:
+                with times.phase("test"):
+                    shifted = evaluate_shift_as_configured(
+                        cfg, result.model, result.posterior, data.test_images, shift_set
+                    )
+                result.test.update(shifted.by_severity())  # logged and summarised as test_*
+                tracker.log_dict(run_id, shifted.record(), SHIFT_FILE)
             with times.phase("logging"):
                 log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})
@@ -761,6 +777,140 @@ def predict(
             row["file"], f"{row['label']} ({row['class']})", *(f"{row[c]:.4f}" for c in numbers)
         )
     Console(width=200).print(table)
+
+
+def shift_set_named(name: str):
+    """The shift set ``default`` or ``full`` (`dpivon.shift.SHIFT_SETS`)."""
+    from dpivon.shift import SHIFT_SETS
+
+    if name not in SHIFT_SETS:
+        raise DpivonError(f"--shift takes {' or '.join(SHIFT_SETS)}, got {name!r}")
+    return SHIFT_SETS[name]
+
+
+# the columns of `dpivon evaluate`'s table: (metric, header, format)
+SHIFT_COLUMNS = (
+    ("accuracy", "accuracy", ".3f"),
+    ("nll", "NLL", ".3f"),
+    ("ece", "ECE", ".3f"),
+    ("aurc_maxprob", "AURC", ".3f"),
+    ("acc_at_90_maxprob", "acc@90%", ".3f"),
+    ("acc_at_80_maxprob", "acc@80%", ".3f"),
+    ("auroc_maxprob", "AUROC max-p", ".3f"),
+    ("auroc_entropy", "AUROC entropy", ".3f"),
+    ("auroc_mi", "AUROC MI", ".3f"),
+)
+
+
+def _print_shift(title: str, by_severity: dict[str, float]) -> None:
+    """One row per severity (0: clean) of the means over the corruptions."""
+    severities = sorted({int(k.split("_")[1][1:]) for k in by_severity})
+    columns = [c for c in SHIFT_COLUMNS if f"shift_s0_{c[0]}" in by_severity]
+    table = Table(title=title)
+    table.add_column("severity")
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
+    for severity in severities:
+        cells = [f"{by_severity[f'shift_s{severity}_{m}']:{fmt}}" for m, _, fmt in columns]
+        table.add_row("clean" if severity == 0 else str(severity), *cells)
+    Console(width=200).print(table)
+
+
+@app.command()
+@user_errors
+def evaluate(
+    model_uri: Opt[
+        str,
+        typer.Argument(
+            help="runs:/RUN_ID/model, models:/NAME/VERSION, a model folder, or a model file "
+            "(a sweep trial's model.pt, committed weights)"
+        ),
+    ],
+    corruption: Opt[
+        list[str] | None,
+        typer.Option(help="a corruption (repeatable) [default: the set's]"),
+    ] = None,
+    severity: Opt[
+        list[int] | None, typer.Option(help="a severity 1-5 (repeatable) [default: 1-5]")
+    ] = None,
+    full: Opt[
+        bool, typer.Option("--full", help="the full set: 19 corruptions, every test image")
+    ] = False,
+    per_class: Opt[
+        int | None,
+        typer.Option(help="test images per class [default: 50; every image with --full]"),
+    ] = None,
+    data_path: Opt[
+        Path | None, typer.Option(help="CIFAR-10 (default: $DPIVON_DATA, then the cache)")
+    ] = None,
+    bma_samples: Opt[
+        int | None,
+        typer.Option(min=0, help="posterior draws (IVON family; 0: the mean) [default: the model]"),
+    ] = None,
+    seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
+    json_path: Opt[Path | None, typer.Option("--json", help="write every number here")] = None,
+    tracking_uri: Opt[
+        str | None, typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)")
+    ] = None,
+) -> None:
+    """Score a logged or saved model under dataset shift, without retraining: accuracy, NLL,
+    ECE, selective prediction (AURC, accuracy at 90 % and 80 % coverage) and error detection
+    (AUROC of max-probability, entropy, mutual information) on the clean test images and on
+    CIFAR-10-C-style corruptions at severities 1-5 (made once, then cached)."""
+    from dpivon.data import load_test_images
+    from dpivon.shift import ShiftSet, check_shift_request, evaluate_shift
+    from dpivon.tracking.served_model import load_scored_model
+    from dpivon.training import synthetic_sizes
+
+    base = shift_set_named("full" if full else "default")
+    shift_set = ShiftSet(
+        tuple(corruption) if corruption else base.corruptions,
+        tuple(severity) if severity else base.severities,
+        per_class if per_class is not None else base.per_class,
+    )
+    check_shift_request(shift_set.corruptions, shift_set.severities)
+    if json_path is not None:
+        check_writable(json_path, "--json")
+    config, model, posterior = load_scored_model(model_uri, tracking_uri)
+    test = load_test_images(
+        config.data.dataset,
+        data_path=data_path,
+        seed=config.split_seed,
+        synthetic_sizes=synthetic_sizes(config),
+    )
+    samples = config.evaluation.bma_samples if bma_samples is None else bma_samples
+    result = evaluate_shift(
+        model, posterior, test, shift_set,
+        bma_samples=samples, seed=seed, n_bins=config.evaluation.ece_bins,
+    )  # fmt: skip
+    by_severity = result.by_severity()
+    _print_shift(
+        f"{model_uri} ({config.optimizer.name}): {result.images} test images per set, means "
+        f"over {len(shift_set.corruptions)} corruption(s)",
+        by_severity,
+    )
+    sets = len(result.rows)
+    console.print(
+        f"{sets} sets of {result.images} images: {result.seconds['predict_s']:.1f} s predicting "
+        f"({result.seconds['predict_cpu_s']:.1f} s of CPU; "
+        f"{samples if posterior is not None else 0} posterior draws), "
+        f"{result.seconds['corrupt_s']:.1f} s making or reading the corrupted sets",
+        highlight=False,
+    )
+    if json_path is not None:
+        payload = {
+            "model_uri": model_uri,
+            "optimizer": config.optimizer.name,
+            "bma_samples": samples if posterior is not None else 0,
+            "seed": seed,
+            "images": result.images,
+            "corruptions": list(shift_set.corruptions),
+            "severities": list(shift_set.severities),
+            **result.record(),
+        }
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
 
 
 def main() -> None:

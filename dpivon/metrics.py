@@ -7,6 +7,7 @@ results do not depend on the dtype of ``probs`` beyond its own rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,3 +157,10 @@ def classification_metrics(probs: Tensor, labels: Tensor, n_bins: int = 15) -> d
         "brier": brier_score(probs, labels),
         "ece": expected_calibration_error(probs, labels, n_bins),
     }
+
+
+def json_number(value: object) -> object:
+    """JSON has no inf/NaN: non-finite floats become null (``--json`` files, artifacts)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

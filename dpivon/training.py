@@ -23,7 +23,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
-from dpivon.metrics import ReliabilityDiagram, reliability_diagram
+from dpivon.metrics import ReliabilityDiagram, json_number, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
@@ -126,6 +126,8 @@ class StepReport:
 
 
 StepCallback = Callable[[StepReport], None]
+# More validation scores of an epoch's model and posterior (`dpivon.shift`'s under shift)
+ValidationScores = Callable[[nn.Module, Posterior | None], dict[str, float]]
 
 
 @dataclass
@@ -182,7 +184,7 @@ class TrainResult:
         if self.test is not None:
             out.update({f"test_{k}": v for k, v in self.test.items()})
         out.update(self.extra)
-        return {k: _json_number(v) for k, v in out.items()}
+        return {k: json_number(v) for k, v in out.items()}
 
     def tuning_summary(self) -> dict[str, float | str]:
         """What this run's epsilon covers; for a config chosen by a sweep also the tuning
@@ -219,13 +221,6 @@ class TrainResult:
         }
 
 
-def _json_number(value):
-    """JSON has no inf/NaN: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -249,6 +244,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def synthetic_sizes(config: TrainConfig) -> tuple[int, int]:
+    """(train, test) images of a synthetic data set: the test set a fifth of the training."""
+    return config.data.synthetic_size, max(config.data.synthetic_size // 5, 10)
+
+
 def load_data(config: TrainConfig) -> DataSplits:
     return load_splits(
         config.data.dataset,
@@ -256,7 +256,7 @@ def load_data(config: TrainConfig) -> DataSplits:
         val_size=config.data.val_size,
         per_class=config.data.per_class,
         seed=config.split_seed,
-        synthetic_sizes=(config.data.synthetic_size, max(config.data.synthetic_size // 5, 10)),
+        synthetic_sizes=synthetic_sizes(config),
     )
 
 
@@ -552,6 +552,7 @@ class _TrainingRun:
         self.steps_done = 0
         self.posterior: Posterior | None = None
         self.val: dict[str, float] | None = None  # the last epoch's released scores
+        self.extra_validation: ValidationScores | None = None
 
     @classmethod
     def set_up(
@@ -614,6 +615,8 @@ class _TrainingRun:
                 config, setup.model, self.data.val, self.posterior, bma_samples=val_samples
             )
             self.val = _validation_scores(config, setup, val)
+            if self.extra_validation is not None:  # e.g. a sweep's objective under shift
+                self.val = {**self.val, **self.extra_validation(setup.model, self.posterior)}
         metrics = {"epoch": epoch, "train_loss": float(np.nanmean(losses)) if losses else 0.0}
         metrics.update({f"val_{k}": v for k, v in self.val.items()})
         if config.evaluation.test_every_epoch:
@@ -707,11 +710,15 @@ def train(
     evaluate_test: bool = True,
     on_step: StepCallback | None = None,
     phases: PhaseTimes | None = None,
+    extra_validation: ValidationScores | None = None,
 ) -> TrainResult:
     """Train ``config`` and evaluate it; see the module docstring for the pipeline.
-    ``phases`` (a fresh one if None) accumulates the seconds of each phase."""
+    ``phases`` (a fresh one if None) accumulates the seconds of each phase;
+    ``extra_validation`` adds its scores of the model and posterior to each epoch's
+    validation scores (``val_<key>``)."""
     started = time.perf_counter()
     run = _TrainingRun.set_up(config, data, phases if phases is not None else PhaseTimes(), on_step)
+    run.extra_validation = extra_validation
     if resume_state is not None:
         run.restore(resume_state)
     for epoch in range(run.first_epoch + 1, config.training.epochs + 1):

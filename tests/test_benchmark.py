@@ -32,6 +32,7 @@ from dpivon.evaluation import evaluate_as_configured
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.orchestration.storage import SweepStorage
+from dpivon.shift import ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import RunRecord, aggregate, compare, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,
@@ -42,6 +43,7 @@ from dpivon.study.benchmark import (
 )
 from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
+from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
 from dpivon.training import (
@@ -231,6 +233,57 @@ def test_scoring_on_test_gives_trains_own_test_metrics_and_a_temperature():
     assert {"test_ts_nll", "test_ts_ece", "test_ts_brier"} <= scored.summary().keys()
 
 
+def test_scoring_on_test_adds_the_shift_metrics_of_the_pipelines_shift_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path))
+    config = checkpoint_config(epochs=1)
+    data = load_data(config)
+    trained = train(config, data=data, evaluate_test=False)
+    shift_set = ShiftSet(("contrast",), (2,), per_class=4)
+    scored = score_on_test(trained, data, shift_set)
+    direct = evaluate_shift_as_configured(
+        config, trained.model, trained.posterior, data.test_images, shift_set
+    ).by_severity()
+    assert direct and all(scored.test[k] == v for k, v in direct.items())
+    assert scored.summary()["test_shift_s2_ece"] == direct["shift_s2_ece"]
+    assert "shift_s0_ece" not in score_on_test(trained, data).test  # no set: not scored
+    assert load_benchmark(write_benchmark(tmp_path, shift="default")).shift == "default"
+
+
+def shifted_records() -> list[RunRecord]:
+    """hand_records with shift metrics: ECE at severity k is 0.01 k (alpha) or 0.02 k
+    (beta) plus 0.001 x seed; alpha logs mutual information, beta does not."""
+    records = hand_records()
+    for record in records:
+        slope = 0.01 if record.method == "alpha" else 0.02
+        for k in range(6):
+            record.metrics[f"test_shift_s{k}_ece"] = slope * k + 0.001 * record.replicate
+            record.metrics[f"test_shift_s{k}_accuracy"] = 0.5 - 0.05 * k
+            record.metrics[f"test_shift_s{k}_aurc_maxprob"] = 0.3 + 0.01 * k
+            if record.method == "alpha":
+                record.metrics[f"test_shift_s{k}_auroc_mi"] = 0.6
+    return records
+
+
+def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_severity():
+    records = shifted_records()
+    report = build_report("Benchmark hand", records, method_order=["alpha", "beta"])
+    add_shift_blocks(report, records, ["alpha", "beta"])
+    markdown = report.markdown()
+    assert "## Uncertainty under dataset shift" in markdown
+    assert report.figures["shift.png"][:4] == b"\x89PNG"
+    assert "![shift.png](figures/shift.png)" in markdown
+    # ECE by severity: alpha at eps 1, seeds 0-2 -> 0.01 k + 0.001, std 0.001
+    assert "| alpha | 1 | 3 | 0.001 ± 0.001 | 0.011 ± 0.001 | 0.021 ± 0.001 |" in markdown
+    assert "| beta | 8 | 3 | 0.001 ± 0.001 | 0.021 ± 0.001 |" in markdown
+    # selective prediction: clean and severity 3; beta has no mutual information
+    assert "| method | eps | seeds | shift | accuracy % | AURC | AUROC MI |" in markdown
+    assert "| alpha | 1 | 3 | clean | 50.0 ± 0.0 | 0.300 ± 0.000 | 0.600 ± 0.000 |" in markdown
+    assert "| beta | 1 | 3 | severity 3 | 35.0 ± 0.0 | 0.330 ± 0.000 | - |" in markdown
+    plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])
+    add_shift_blocks(plain, hand_records(), ["alpha", "beta"])
+    assert "shift: default" in plain.markdown() and "shift.png" not in plain.figures
+
+
 # --- runs continued from their checkpoints ------------------------------------------------
 
 
@@ -397,6 +450,7 @@ def write_benchmark(tmp_path, **overrides) -> str:
             "no sweep found for 'nowhere'",
         ),
         ({"colour": "red"}, "colour: unknown key"),
+        ({"shift": "most"}, "shift"),
     ],
 )
 def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message):
@@ -747,3 +801,23 @@ def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
     )
     logged = client.download_artifacts(parent.info.run_id, "pipeline.yaml", str(tmp_path))
     assert Path(logged).read_text() == Path(path).read_text()
+
+
+@pytest.mark.slow
+def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))
+    methods = [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}]
+    path = write_benchmark(tmp_path, name="shifted", methods=methods, epsilons=[8],
+                           shift="default")  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        outcome = run_benchmark(load_benchmark(path))
+    finally:
+        ray.shutdown()
+    assert not outcome.failed and len(outcome.completed) == 3
+    _, _, children = runs_of(tmp_path, "dpivon-shifted")
+    for child in children:
+        assert {f"test_shift_s{k}_ece" for k in range(6)} <= child.data.metrics.keys()
+    markdown = outcome.report.markdown()
+    assert "![shift.png](figures/shift.png)" in markdown
+    assert "| dp-sgd | 8 | 3 | clean |" in markdown

@@ -139,6 +139,12 @@ REFUSALS = {
                                        "which is a file"),
     "benchmark epsilon below the floor": (["benchmark", "bench:epsilons=[1.0e-12]"],
                                           "smallest"),
+    "train --shift unknown": ([*SYNTHETIC_TRAIN, "--shift=most"], "--shift takes default or full"),
+    "evaluate a missing model": (["evaluate", "{tmp}/no-model"], "does not exist"),
+    "evaluate an unknown corruption": (["evaluate", "{file}", "--corruption=fogg"],
+                                       "unknown corruption 'fogg'"),
+    "evaluate severity 6": (["evaluate", "{file}", "--severity=6"], "from 1 to 5, got 6"),
+    "evaluate --json a directory": (["evaluate", "{file}", "--json={tmp}"], "is a directory"),
 }  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from dpivon.search.pareto import (
     pick,
 )
 from dpivon.search.pareto_views import format_front_table, plot_fronts_html, plot_fronts_png
+from dpivon.search.pipeline import METRIC_MODES
 
 OBJ = [("val_accuracy", "max"), ("val_ece", "min")]
 MODE_SETS = [("max", "min"), ("min", "min"), ("max", "max"), ("min", "max")]
@@ -267,6 +268,9 @@ def test_moocore_front_and_hypervolume_match_brute_force(seed, modes, coarse):
 def test_default_reference():
     assert default_reference(OBJ) == (0.0, 1.0)
     assert DEFAULT_REFERENCE["val_brier"] == 2.0
+    # every metric a sweep may choose as an objective has one
+    assert set(METRIC_MODES) <= set(DEFAULT_REFERENCE)
+    assert default_reference([("val_shift_ece", "min"), ("val_accuracy", "max")]) == (1.0, 0.0)
     with pytest.raises(DpivonError):
         default_reference([("val_accuracy", "max"), ("wall_time_s", "min")])
 

@@ -33,6 +33,7 @@ RELEASE_DIR = "cifar-10-batches-py"
 # Part of every cache key: bump it when decoding changes so stale caches are rebuilt.
 _CACHE_VERSION = 1
 _SPLITS = ("train", "test")
+_CACHED = ("train_images", "train_labels", "test_images", "test_labels", "classes")
 _TAR_SUFFIXES = (".tar.gz", ".tgz")
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp")
 _LAYOUT = (
@@ -175,43 +176,59 @@ def _cache_key(source: _Source) -> str:
 
 def _read_cache(cache_file: Path) -> tuple[ImageArrays, ImageArrays] | None:
     """The cached arrays, or None when the file is missing or unusable (then it is rebuilt)."""
-    if not cache_file.is_file():
+    npz = read_npz(cache_file, _CACHED)
+    if npz is None:
+        return None
+    classes = tuple(str(c) for c in npz["classes"])
+    try:
+        return (
+            ImageArrays(npz["train_images"], npz["train_labels"], classes),
+            ImageArrays(npz["test_images"], npz["test_labels"], classes),
+        )
+    except DpivonError:
+        return None
+
+
+def read_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+    """The arrays ``keys`` of a cached ``.npz``, or None when it is missing or unusable."""
+    if not path.is_file():
         return None
     try:
-        with np.load(cache_file) as npz:
-            classes = tuple(str(c) for c in npz["classes"])
-            return (
-                ImageArrays(npz["train_images"], npz["train_labels"], classes),
-                ImageArrays(npz["test_images"], npz["test_labels"], classes),
-            )
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, DpivonError):
+        with np.load(path) as npz:
+            return {key: npz[key] for key in keys}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
 
 
 def _write_cache(cache_file: Path, train: ImageArrays, test: ImageArrays) -> None:
-    """Write via a temp file and rename, so readers (other runs) never see a partial file."""
+    arrays = {
+        "train_images": train.images,
+        "train_labels": train.labels,
+        "test_images": test.images,
+        "test_labels": test.labels,
+        "classes": np.array(train.classes),
+    }
+    write_npz(cache_file, arrays)
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write a cache ``.npz`` via a temp file and rename, so readers (other runs) never see
+    a partial file."""
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(
-            dir=cache_file.parent, prefix=".cifar10-", suffix=".tmp", delete=False
+            dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp", delete=False
         ) as tmp:
             try:
-                np.savez(
-                    tmp,
-                    train_images=train.images,
-                    train_labels=train.labels,
-                    test_images=test.images,
-                    test_labels=test.labels,
-                    classes=np.array(train.classes),
-                )
+                np.savez(tmp, **arrays)
             except BaseException:
                 Path(tmp.name).unlink()
                 raise
-        os.replace(tmp.name, cache_file)
+        os.replace(tmp.name, path)
     except OSError as exc:
         raise DpivonError(
-            f"cannot write the CIFAR-10 cache {cache_file} ({exc}); set {ENV_CACHE} to a "
-            "writable directory"
+            f"cannot write the cache file {path} ({exc}); set {ENV_CACHE} to a writable "
+            "directory"
         ) from exc
 
 

@@ -82,14 +82,39 @@ def to_tensor_dataset(arrays: ImageArrays) -> TensorDataset:
     return TensorDataset(images, torch.from_numpy(arrays.labels.copy()))
 
 
+def _load_arrays(
+    dataset: str, data_path: str | Path | None, seed: int, synthetic_sizes: tuple[int, int]
+) -> tuple[ImageArrays, ImageArrays]:
+    if dataset == "cifar10":
+        return load_cifar10(data_path)
+    if dataset == "synthetic":
+        return synthetic_cifar10(*synthetic_sizes, seed=seed)
+    raise DpivonError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+
+
+def load_test_images(
+    dataset: str,
+    *,
+    data_path: str | Path | None = None,
+    seed: int = 0,
+    synthetic_sizes: tuple[int, int] = (1000, 200),
+) -> ImageArrays:
+    """The uint8 test images of `dataset`, the ones `load_splits` makes its test set of."""
+    return _load_arrays(dataset, data_path, seed, synthetic_sizes)[1]
+
+
 @dataclass(frozen=True)
 class DataSplits:
-    """Train, validation and test tensor datasets plus the class names."""
+    """Train, validation and test tensor datasets plus the class names, and the uint8
+    validation and test images the tensors were made from (what corruptions start from,
+    `dpivon.shift`)."""
 
     train: TensorDataset
     val: TensorDataset
     test: TensorDataset
     classes: tuple[str, ...]
+    val_images: ImageArrays | None = None
+    test_images: ImageArrays | None = None
 
 
 def load_splits(
@@ -109,12 +134,7 @@ def load_splits(
     `synthetic_sizes` is (n_train, n_test) for "synthetic", where `val_size` must be
     smaller than n_train. `data_path` is passed to `load_cifar10`.
     """
-    if dataset == "cifar10":
-        train, test = load_cifar10(data_path)
-    elif dataset == "synthetic":
-        train, test = synthetic_cifar10(*synthetic_sizes, seed=seed)
-    else:
-        raise DpivonError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    train, test = _load_arrays(dataset, data_path, seed, synthetic_sizes)
     train, val = train_val_split(train, val_size=val_size, seed=seed)
     if per_class is not None:
         train = stratified_subset(train, per_class, seed=seed)
@@ -123,4 +143,6 @@ def load_splits(
         val=to_tensor_dataset(val),
         test=to_tensor_dataset(test),
         classes=train.classes,
+        val_images=val,
+        test_images=test,
     )

@@ -102,6 +102,7 @@ def run_group_trial(
     groups: dict[str, tuple[dict[str, Any], SearchSpace]],
     threads: int,
     recorded: dict[str, RecordedOutcome],
+    shift_severity: int | None = None,
 ) -> None:
     """The sweep's trainable: one trial of the group its config names, or on a resume
     the outcome MLflow already records for it (``recorded``, by trial id)."""
@@ -111,7 +112,12 @@ def run_group_trial(
         return
     base_config, space = groups[config[GROUP_KEY]]
     run_trial(
-        search_params(config), data=data, base_config=base_config, space=space, threads=threads
+        search_params(config),
+        data=data,
+        base_config=base_config,
+        space=space,
+        threads=threads,
+        shift_severity=shift_severity,
     )
 
 
@@ -339,10 +345,11 @@ def group_trainable(
     data: DataSplits,
     resources: Resources,
     recorded: dict[str, RecordedOutcome],
+    shift_severity: int | None = None,
 ) -> Callable[..., None]:
     """The sweep's Tune trainable: :func:`run_group_trial` with the data, each group's
-    settings and the outcomes already recorded in Ray's object store, and one trial's
-    resource request."""
+    settings, the outcomes already recorded and the severity of ``val_shift_*``
+    objectives in Ray's object store, and one trial's resource request."""
     return tune.with_resources(
         tune.with_parameters(
             run_group_trial,
@@ -350,6 +357,7 @@ def group_trainable(
             groups={g.name: (g.base_config, g.space) for g in groups},
             threads=max(1, int(resources.cpu)),
             recorded=recorded,
+            shift_severity=shift_severity,
         ),
         {"cpu": resources.cpu, "gpu": resources.gpu},
     )

@@ -41,6 +41,10 @@ DEFAULT_REFERENCE: dict[str, float] = {
     "val_nll": math.log(10.0),
     "val_brier": 2.0,
 }
+# the same metrics on corrupted validation images (`dpivon.shift`) have the same bounds
+DEFAULT_REFERENCE.update(
+    {f"val_shift_{m}": DEFAULT_REFERENCE[f"val_{m}"] for m in ("accuracy", "ece", "nll")}
+)
 
 Objectives = Sequence[tuple[str, str]]
 _ACCURACY_ECE_REFERENCE = (DEFAULT_REFERENCE["val_accuracy"], DEFAULT_REFERENCE["val_ece"])

@@ -55,11 +55,15 @@ shown or described)::
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every trial
     # an optimizer entry may add its own: {name: dp-sgd, space: ..., train: {mc_samples: 1}}
     #   (neither train: may set a key the optimizer's space sets: the space would win)
+    # shift_severity: 3              # severity of the val_shift_* objectives, 1-5
 
 A space path is looked up relative to the pipeline file's directory, then relative to the
 current directory. ASHA (``asha``) stops trials on the FIRST objective, reported each epoch;
 it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metrics among
-``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min).
+``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min), and under dataset
+shift ``val_shift_accuracy`` (max), ``val_shift_ece``, ``val_shift_nll`` (min): every epoch,
+the means over `dpivon.shift`'s default corruptions at ``shift_severity`` (default 3, 1-5)
+of the validation images (at most 50 per class).
 
 A non-private optimizer spends no budget, so its trials form one group labelled
 ``eps=inf`` (epsilon inf in its configs and runs) whatever ``epsilons`` lists.
@@ -134,6 +138,11 @@ METRIC_MODES: dict[str, str] = {
     "val_ece": "min",
     "val_nll": "min",
     "val_brier": "min",
+    # under shift (`dpivon.shift`): the default corruptions at `shift_severity` of the
+    # validation images, scored every epoch (costlier than the clean validation)
+    "val_shift_accuracy": "max",
+    "val_shift_ece": "min",
+    "val_shift_nll": "min",
 }
 # Optuna's sampler class of each ``sampler:`` choice (imported by the sweep, not here)
 OPTUNA_SAMPLERS: dict[str, str] = {
@@ -213,6 +222,8 @@ class Pipeline(RunFile):
     release: Literal["best", "front", "all"] = "front"  # what of the sweep is published
     # release: best: the metric (one of the objectives) that selects the one released model
     best_by: str | None = None
+    # the corruption severity of the val_shift_* objectives
+    shift_severity: Annotated[Int, Bound(ge=1, le=5)] = 3
     validation_noise: Annotated[Float, Bound(ge=0)] = (
         0.0  # > 0: DP validation scores (val_noise_multiplier)
     )
@@ -430,6 +441,13 @@ class Pipeline(RunFile):
     def train_blocks(self) -> dict[str, dict[str, Any]]:
         entries = {f"optimizers.{i}.train": e.train for i, e in enumerate(self.optimizers)}
         return {"train": self.train, **entries}
+
+    @property
+    def validation_shift_severity(self) -> int | None:
+        """The severity each trial scores its validation images at, every epoch, when an
+        objective is a ``val_shift_*`` metric; else None (no trial pays for it)."""
+        shifted = any(o.metric.startswith("val_shift_") for o in self.objectives)
+        return self.shift_severity if shifted else None
 
     @property
     def objective_pairs(self) -> list[tuple[str, str]]:

@@ -113,7 +113,9 @@ def _run_trials(
     path, filesystem = storage.experiment_path(TUNE_EXPERIMENT), storage.filesystem
     restoring = tune.Tuner.can_restore(path, storage_filesystem=filesystem)  # a resume
     recorded = recorded_outcomes(tracker, state.parent_run_id) if restoring else {}
-    trainable = group_trainable(groups, data, pipeline.resources, recorded)
+    trainable = group_trainable(
+        groups, data, pipeline.resources, recorded, pipeline.validation_shift_severity
+    )
     if restoring:
         console.print("restoring the interrupted trials")
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,

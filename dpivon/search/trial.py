@@ -29,6 +29,7 @@ from dpivon.logs import quiet_known_output
 from dpivon.process import configure_process
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
+from dpivon.shift import validation_shift_scores
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.training import EpochReport, TrainingDiverged, released_metrics, train
 
@@ -102,8 +103,10 @@ def run_trial(
     base_config: dict[str, Any],
     space: SearchSpace,
     threads: int,
+    shift_severity: int | None = None,
 ) -> None:
-    """Ray Tune function trainable: ``params`` is what OptunaSearch drew."""
+    """Ray Tune function trainable: ``params`` is what OptunaSearch drew; with
+    ``shift_severity`` every epoch also reports the ``val_shift_*`` objectives."""
     quiet_known_output()  # a Ray worker is an entry point of its own
     configure_process()
     torch.set_num_threads(max(1, threads))
@@ -146,6 +149,11 @@ def run_trial(
             on_epoch_end=report_epoch,
             resume_state=resume_state,
             evaluate_test=False,
+            extra_validation=(
+                validation_shift_scores(config, data.val_images, shift_severity)
+                if shift_severity is not None
+                else None
+            ),
         )
     except TrainingDiverged as err:
         # Tune checks that every result holds the objectives; NaN keeps them out of

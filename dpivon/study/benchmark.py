@@ -49,6 +49,7 @@ from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import configure_process
+from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
@@ -61,6 +62,7 @@ from dpivon.study.layout import (
     is_completed,
     weights_file,
 )
+from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.client import Tracker
@@ -106,7 +108,9 @@ class BenchmarkOutcome:
 # --- one run (inside a Ray worker) ----------------------------------------------------------
 
 
-def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
+def score_on_test(
+    result: TrainResult, data: DataSplits, shift_set: ShiftSet | None = None
+) -> TrainResult:
     """The run's test metrics and reliability, and post-hoc temperature scaling: T fitted on
     the validation predictive (exact scores of the validation records, as the sweep uses
     them), applied to the test predictive (accuracy is unchanged by T).
@@ -116,6 +120,8 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
     (`dpivon.evaluation.evaluate_as_configured`: the run's BMA samples, bins and seed, the
     same numbers `evaluate_test=True` gives);
     evaluating it twice would double the cost of a run (BMA over the whole test set).
+    With ``shift_set`` the test metrics gain ``shift_s<k>_*``: the predictive on that set's
+    clean and corrupted test images (`dpivon.shift`).
     """
     config = result.config
 
@@ -133,7 +139,13 @@ def score_on_test(result: TrainResult, data: DataSplits) -> TrainResult:
         **{f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"},
     }
     diagram = reliability_diagram(test.probs, test.labels, config.evaluation.ece_bins)
-    return replace(result, test=test.metrics, test_reliability=diagram, extra=extra)
+    metrics = dict(test.metrics)
+    if shift_set is not None:
+        shifted = evaluate_shift_as_configured(
+            config, result.model, result.posterior, data.test_images, shift_set
+        )
+        metrics.update(shifted.by_severity())
+    return replace(result, test=metrics, test_reliability=diagram, extra=extra)
 
 
 class EpochSink(Protocol):
@@ -203,9 +215,11 @@ def run_one(
     checkpoint: RunCheckpoint,
     resume: SavedEpoch | None = None,
     epochs_done: EpochSink | None = None,
+    shift_set: ShiftSet | None = None,
 ) -> TrainResult:
     """Body of the Ray task: train (from ``resume``, checkpointing every epoch), test,
-    temperature-scale; the model returns on the CPU, its wall time summed over attempts.
+    temperature-scale, score under ``shift_set`` (the pipeline's ``shift``); the model
+    returns on the CPU, its wall time summed over attempts.
     After each checkpoint, ``(checkpoint name, epoch)`` goes to ``epochs_done`` (a queue:
     the driver's progress line)."""
     quiet_known_output()  # a Ray worker is an entry point of its own
@@ -229,7 +243,7 @@ def run_one(
         on_epoch_end=save,
         resume_state=resume.state if resume is not None else None,
     )
-    scored = score_on_test(result, data)
+    scored = score_on_test(result, data, shift_set)
     return replace(scored, wall_time_s=earlier_s + time.perf_counter() - started)
 
 
@@ -428,6 +442,7 @@ def execute_runs(
     as it arrives. Waits are bounded: POLL_S per wait, ``run_timeout_s`` per run."""
     cpu, gpu = pipeline.resources.cpu, pipeline.resources.gpu
     task = ray.remote(num_cpus=cpu, num_gpus=gpu, max_retries=0)(run_one)
+    shift_set = SHIFT_SETS.get(pipeline.shift)  # None: "none"
     data_ref = ray.put(data)
     queue = list(todo)
     in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, RunCheckpoint, float]] = {}
@@ -455,7 +470,9 @@ def execute_runs(
                 tracker.set_tags(run_id, {RESUMED_TAG: str(epoch)})
                 bar.console.print(f"[bold]{spec.key}[/] continues after epoch {epoch}")
             threads = max(1, int(cpu))
-            ref = task.remote(spec.config, data_ref, threads, checkpoint, saved, epochs_done)
+            ref = task.remote(
+                spec.config, data_ref, threads, checkpoint, saved, epochs_done, shift_set
+            )
             in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
 
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
@@ -554,6 +571,8 @@ def report_benchmark(
         failed=failed,
         tuning_scores=tuning_scores,
     )
+    if records:
+        add_shift_blocks(report, records, pipeline.method_names)
     storage = pipeline.storage
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
         local = Path(tmp)  # the files are made here, then stored and logged

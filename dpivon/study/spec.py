@@ -26,6 +26,9 @@ shown)::
     storage_path: dpivon-runs        # the state folder <storage_path>/<name>/ and the report
     research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every run
+    shift: none                      # default | full: also score each run's model under
+                                     # dataset shift (dpivon.shift; the report's shift
+                                     # figure and selective-prediction table)
 
 A method with ``from_sweep`` (a sweep folder, pipeline file or name, as ``dpivon export``
 takes) trains, at each epsilon, the configuration that sweep's ``pick`` chose from its
@@ -148,6 +151,8 @@ class BenchmarkPipeline(RunFile):
     ]
     concurrency: Concurrency = 2
     run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
+    # not a TrainConfig key: scoring under shift changes no run's training (or config hash)
+    shift: Literal["none", "default", "full"] = "none"
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
 

@@ -167,3 +167,25 @@ def load_pyfunc(model_uri: str, tracking_uri: str | None = None) -> mlflow.pyfun
     except (MlflowException, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise DpivonError(f"cannot load the model {model_uri}: {first_line[:300]}") from None
+
+
+def load_scored_model(
+    model_uri: str, tracking_uri: str | None = None
+) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
+    """The config, mean model and posterior of a logged model (``runs:/RUN_ID/model``,
+    ``models:/NAME/VERSION``, a model folder) or of a model file as
+    `dpivon.tracking.checkpoints` saves it (a sweep trial's ``model.pt``, committed weights),
+    or one line saying why it cannot be loaded."""
+    path = Path(model_uri).expanduser()
+    if path.is_file():
+        try:
+            return load_checkpoint(path)
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
+            raise DpivonError(f"cannot load the model file {model_uri}: {err}") from None
+    if ":/" not in model_uri and not path.exists():
+        raise DpivonError(
+            f"the model {model_uri} does not exist: give runs:/RUN_ID/model, "
+            "models:/NAME/VERSION, a model folder or a model file (.pt)"
+        )
+    classifier = load_pyfunc(model_uri, tracking_uri).unwrap_python_model()
+    return classifier.config, classifier.model, classifier.posterior
