@@ -272,13 +272,17 @@ def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_seve
     assert "## Uncertainty under dataset shift" in markdown
     assert report.figures["shift.png"][:4] == b"\x89PNG"
     assert "![shift.png](figures/shift.png)" in markdown
-    # ECE by severity: alpha at eps 1, seeds 0-2 -> 0.01 k + 0.001, std 0.001
-    assert "| alpha | 1 | 3 | 0.001 ± 0.001 | 0.011 ± 0.001 | 0.021 ± 0.001 |" in markdown
-    assert "| beta | 8 | 3 | 0.001 ± 0.001 | 0.021 ± 0.001 |" in markdown
+    # ECE by severity: alpha at eps 1, seeds 0-2 -> 0.01 k + 0.001, std 0.001: the 95 % t
+    # interval is 0.001 x t(0.975, 2) / sqrt(3) = 0.0025 either side
+    assert "| alpha | 1 | 3 | 0.001 [-0.001, 0.003] | 0.011 [0.009, 0.013] |" in markdown
+    assert "| beta | 8 | 3 | 0.001 [-0.001, 0.003] | 0.021 [0.019, 0.023] |" in markdown
     # selective prediction: clean and severity 3; beta has no mutual information
     assert "| method | eps | seeds | shift | accuracy % | AURC | AUROC MI |" in markdown
-    assert "| alpha | 1 | 3 | clean | 50.0 ± 0.0 | 0.300 ± 0.000 | 0.600 ± 0.000 |" in markdown
-    assert "| beta | 1 | 3 | severity 3 | 35.0 ± 0.0 | 0.330 ± 0.000 | - |" in markdown
+    clean = "| 50.0 [50.0, 50.0] | 0.300 [0.300, 0.300] | 0.600 [0.600, 0.600] |"
+    assert f"| alpha | 1 | 3 | clean {clean}" in markdown
+    assert "| beta | 1 | 3 | severity 3 | 35.0 [35.0, 35.0] | 0.330 [0.330, 0.330] | - |" in (
+        markdown
+    )
     plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])
     add_shift_blocks(plain, hand_records(), ["alpha", "beta"])
     assert "shift: default" in plain.markdown() and "shift.png" not in plain.figures

@@ -154,6 +154,20 @@ def records_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
+def seed_summary(metric: str, values: np.ndarray) -> dict[str, float]:
+    """``<metric>_mean``, ``_std`` (sample std over seeds) and ``_ci_low`` / ``_ci_high``
+    (the mean's 95 % t interval) of one metric's values over seeds; all but the mean NaN
+    with one seed or a missing value."""
+    spread = len(values) > 1 and bool(np.isfinite(values).all())
+    interval = mean_interval(values) if spread else UNKNOWN
+    return {
+        f"{metric}_mean": float(np.mean(values)),
+        f"{metric}_std": float(np.std(values, ddof=1)) if spread else math.nan,
+        f"{metric}_ci_low": interval.low,
+        f"{metric}_ci_high": interval.high,
+    }
+
+
 def aggregate(
     records: Sequence[RunRecord], method_order: Sequence[str] | None = None
 ) -> pd.DataFrame:
@@ -161,8 +175,7 @@ def aggregate(
     and ``<column>_mean``, ``<column>_std``, ``<column>_ci_low`` / ``_ci_high`` for each
     column of SUMMARISED.
 
-    The std is the sample standard deviation over seeds, the interval the 95 % t interval of
-    the mean (`dpivon.study.significance`); both NaN with one seed. Rows follow
+    See :func:`seed_summary`. Rows follow
     ``method_order`` (else first appearance), then epsilon ascending (inf last).
     """
     frame = records_frame(records)
@@ -177,12 +190,7 @@ def aggregate(
             "train_images": group["train_images"].iloc[0],
         }
         for metric in SUMMARISED:
-            values = group[metric].to_numpy(dtype=np.float64)
-            row[f"{metric}_mean"] = float(np.mean(values))
-            spread = len(values) > 1 and np.isfinite(values).all()
-            row[f"{metric}_std"] = float(np.std(values, ddof=1)) if spread else math.nan
-            interval = mean_interval(values) if spread else UNKNOWN
-            row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = interval.low, interval.high
+            row |= seed_summary(metric, group[metric].to_numpy(dtype=np.float64))
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:

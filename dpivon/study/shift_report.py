@@ -5,7 +5,7 @@ metrics that a benchmark with ``shift: default`` (or ``full``) logs for each run
 without them is left out, and a report with none says how to get them.
 
 Kept apart from `dpivon.study.benchmark_report`, which calls `add_shift_blocks` once: the
-numbers here are mean ± std over seeds, like the results table's.
+numbers here are means over seeds with their 95 % intervals, like the results table's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from dpivon.study.aggregate import RunRecord
+from dpivon.study.aggregate import RunRecord, seed_summary
 from dpivon.study.benchmark_report import (
     Block,
     Heading,
@@ -25,7 +25,7 @@ from dpivon.study.benchmark_report import (
     Paragraph,
     Report,
     TableBlock,
-    mean_std,
+    mean_with_interval,
 )
 from dpivon.study.figures import png_bytes
 
@@ -55,7 +55,7 @@ SELECTIVE_NOTE = (
     "accuracy of the 90 % and 80 % most certain predictions, by max-probability; error "
     "detection: the AUROC of telling wrong predictions from right ones by 1 - max-probability, "
     "the predictive entropy and (IVON family) the mutual information across posterior draws "
-    "(0.5: no better than chance). Mean ± std over seeds."
+    "(0.5: no better than chance). Mean over seeds [95 % interval]."
 )
 NO_SHIFT_NOTE = (
     "No run of this benchmark was scored under dataset shift: set `shift: default` in the "
@@ -73,8 +73,8 @@ def shifted_records(records: Sequence[RunRecord]) -> list[RunRecord]:
 
 
 def shift_table(records: Sequence[RunRecord], methods: Sequence[str]) -> pd.DataFrame:
-    """One row per (method, epsilon, severity): ``n`` seeds and ``<metric>_mean`` /
-    ``<metric>_std`` (sample std over seeds, NaN with one) of every shift metric logged."""
+    """One row per (method, epsilon, severity): ``n`` seeds and the
+    :func:`~dpivon.study.aggregate.seed_summary` of every shift metric logged."""
     metrics = sorted(
         {k.split("_", 3)[3] for r in records for k in r.metrics if k.startswith(SHIFT_PREFIX)}
     )
@@ -91,16 +91,14 @@ def shift_table(records: Sequence[RunRecord], methods: Sequence[str]) -> pd.Data
                     values = np.array(
                         [r.metrics.get(shift_key(severity, metric), math.nan) for r in group]
                     )
-                    row[f"{metric}_mean"] = float(np.mean(values))
-                    spread = len(values) > 1 and bool(np.isfinite(values).all())
-                    row[f"{metric}_std"] = float(np.std(values, ddof=1)) if spread else math.nan
+                    row |= seed_summary(metric, values)
                 rows.append(row)
     return pd.DataFrame(rows)
 
 
 def plot_shift(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
     """Accuracy, ECE and NLL against severity, one row of panels per epsilon, one line per
-    method (mean over seeds, error bars one std)."""
+    method (mean over seeds, error bars its 95 % interval)."""
     epsilons = sorted(set(table["epsilon"]))
     fig = Figure(figsize=(4.0 * len(SHIFT_PANELS), 3.2 * len(epsilons)), layout="constrained")
     axes = fig.subplots(len(epsilons), len(SHIFT_PANELS), squeeze=False)
@@ -116,7 +114,10 @@ def plot_shift(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
                 ax.errorbar(
                     rows["severity"] + offset,
                     rows[f"{metric}_mean"],
-                    yerr=rows[f"{metric}_std"].fillna(0.0),
+                    yerr=[
+                        (rows[f"{metric}_mean"] - rows[f"{metric}_ci_low"]).fillna(0.0),
+                        (rows[f"{metric}_ci_high"] - rows[f"{metric}_mean"]).fillna(0.0),
+                    ],
                     marker="o", ms=4, capsize=3, label=method, color=f"C{i % 10}",
                 )  # fmt: skip
             ax.set_xticks(list(SEVERITY_LEVELS), ["clean", "1", "2", "3", "4", "5"])
@@ -127,11 +128,13 @@ def plot_shift(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
 
 
 def severity_rows(table: pd.DataFrame, metric: str, scale: float, decimals: int) -> list[list[str]]:
-    """Per (method, epsilon): the metric's mean ± std at each severity."""
+    """Per (method, epsilon): the metric's mean [95 % interval] at each severity."""
     rows = []
     for (method, epsilon), group in table.groupby(["method", "epsilon"], sort=False):
         cells = [
-            mean_std(r[f"{metric}_mean"], r[f"{metric}_std"], scale, decimals)
+            mean_with_interval(
+                r[f"{metric}_mean"], r[f"{metric}_ci_low"], r[f"{metric}_ci_high"], scale, decimals
+            )
             for _, r in group.sort_values("severity").iterrows()
         ]
         rows.append([str(method), f"{epsilon:g}", str(int(group["n"].iloc[0])), *cells])
@@ -146,7 +149,10 @@ def selective_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     rows = []
     for _, row in table[table["severity"].isin(SELECTIVE_SEVERITIES)].iterrows():
         shift = "clean" if row["severity"] == 0 else f"severity {row['severity']}"
-        cells = [mean_std(row[f"{m}_mean"], row[f"{m}_std"], s, d) for m, _, s, d in columns]
+        cells = [
+            mean_with_interval(row[f"{m}_mean"], row[f"{m}_ci_low"], row[f"{m}_ci_high"], s, d)
+            for m, _, s, d in columns
+        ]
         rows.append([str(row["method"]), f"{row['epsilon']:g}", str(int(row["n"])), shift, *cells])
     return header, rows
 
@@ -162,11 +168,11 @@ def add_shift_blocks(report: Report, records: Sequence[RunRecord], methods: Sequ
     report.figures["shift.png"] = png_bytes(plot_shift(table, methods))
     by_severity = ["method", "eps", "seeds", "clean", "1", "2", "3", "4", "5"]
     blocks += [
-        Images(["shift.png"], "Mean over seeds, error bars one std (Ovadia et al. 2019)."),
+        Images(["shift.png"], "Mean over seeds, error bars: 95 % interval (Ovadia et al. 2019)."),
         Paragraph(SHIFT_NOTE),
-        Paragraph("ECE against severity (mean ± std over seeds):"),
+        Paragraph("ECE against severity (mean over seeds [95 % interval]):"),
         TableBlock(by_severity, severity_rows(table, "ece", 1.0, 3)),
-        Paragraph("Accuracy % against severity (mean ± std over seeds):"),
+        Paragraph("Accuracy % against severity (mean over seeds [95 % interval]):"),
         TableBlock(by_severity, severity_rows(table, "accuracy", 100.0, 1)),
         Heading("Selective prediction and error detection", level=3),
         TableBlock(*selective_rows(table)),
