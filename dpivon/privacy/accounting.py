@@ -98,14 +98,6 @@ def epsilon_floor(sample_rate: float, steps: int, delta: float, accountant: str)
     return epsilon_spent(MAX_SIGMA, sample_rate, steps, delta, accountant)
 
 
-def _check_meaningful(target_epsilon: float) -> None:
-    if target_epsilon > MAX_FINITE_EPSILON:
-        raise DpivonError(
-            f"epsilon {target_epsilon:g} is above {MAX_FINITE_EPSILON:g}, where a guarantee "
-            "means nothing and noise calibration does not end; use inf for a run without noise"
-        )
-
-
 def check_reachable(
     target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
 ) -> None:
@@ -114,7 +106,11 @@ def check_reachable(
     conversion from RDP (or PRV) to (epsilon, delta) has a floor that no noise goes below."""
     if math.isinf(target_epsilon):
         return
-    _check_meaningful(target_epsilon)
+    if target_epsilon > MAX_FINITE_EPSILON:
+        raise DpivonError(
+            f"epsilon {target_epsilon:g} is above {MAX_FINITE_EPSILON:g}, where a guarantee "
+            "means nothing and noise calibration does not end; use inf for a run without noise"
+        )
     floor = epsilon_floor(sample_rate, steps, delta, accountant)
     if target_epsilon < floor:
         raise DpivonError(
@@ -133,9 +129,8 @@ def check_fixed_noise_fits(
     accountant: str,
 ) -> float:
     """The epsilon a fixed ``noise_multiplier`` spends over the plan; DpivonError when that
-    exceeds ``target_epsilon`` (the budget the run is held to) or that budget is
-    meaningless."""
-    _check_meaningful(target_epsilon)
+    exceeds ``target_epsilon`` (the budget the run is held to). No calibration runs, so any
+    budget is a cap: a noise-faithful trial's is its own large epsilon."""
     spent = epsilon_spent(noise_multiplier, sample_rate, steps, delta, accountant)
     if spent > target_epsilon:
         raise DpivonError(
