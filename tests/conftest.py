@@ -7,6 +7,10 @@
 - ``ray_cluster``: a Ray cluster of ``ray start`` processes (a head, workers to add and
   kill), with token authentication as on a real cluster
 - ``spawn``: any other process (a ``dpivon sweep`` driver), ended at teardown
+- ``own_cache``: DPIVON_CACHE in the test's folder (before ``fresh_local_ray``, so that Ray's
+  workers see it too)
+- ``fresh_local_ray``: a local Ray of 2 CPUs started for one test, after the environment the
+  test set (its workers inherit it), whatever Ray an earlier test left in this process
 
 Processes run in sessions of their own and are ended by their process group, never by
 name: other Ray clusters on the same machine are not touched.
@@ -381,3 +385,21 @@ def ray_cluster(tmp_path_factory) -> Iterator[RayCluster]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fresh_local_ray() -> Iterator[None]:
+    import ray
+
+    ray.shutdown()  # one left by an in-process command (init_ray joins, never ends, it)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

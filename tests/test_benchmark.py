@@ -808,16 +808,13 @@ def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))
+def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
+    tmp_path, own_cache, fresh_local_ray
+):
     methods = [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}]
     path = write_benchmark(tmp_path, name="shifted", methods=methods, epsilons=[8],
                            shift="default")  # fmt: skip
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        outcome = run_benchmark(load_benchmark(path))
-    finally:
-        ray.shutdown()
+    outcome = run_benchmark(load_benchmark(path))
     assert not outcome.failed and len(outcome.completed) == 3
     _, _, children = runs_of(tmp_path, "dpivon-shifted")
     for child in children:

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import ray
 import torch
 from conftest import CIFAR10_TARBALL
 from mlflow import MlflowClient
@@ -381,14 +380,11 @@ def test_training_reports_the_shift_objectives_every_epoch(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_a_sweep_on_ece_under_shift_finishes_with_its_front(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPIVON_CACHE", str(tmp_path / "cache"))  # before Ray's workers start
-    pipeline = load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        trials = run_sweep(pipeline)
-    finally:
-        ray.shutdown()
+def test_a_sweep_on_ece_under_shift_finishes_with_its_front(tmp_path, own_cache, fresh_local_ray):
+    pipeline = load_pipeline(
+        write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, scheduler={"type": "none"})
+    )  # no ASHA: every trial runs to its end and is scored
+    trials = run_sweep(pipeline)
     assert (trials["status"] == "completed").all()
     assert trials[["val_shift_ece", "val_shift_accuracy", "val_shift_nll"]].notna().all().all()
     front = pd.read_csv(tmp_path / "runs" / pipeline.name / "pareto_front.csv")
