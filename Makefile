@@ -1,5 +1,6 @@
 # Two commands do all the set-up: `make quickstart` (the main job) and `make test` (what CI
-# runs: everything). `make test-fast` skips the tests marked slow, for the edit loop.
+# runs: everything, two test processes). `make test-fast` is the unit tier for the edit loop:
+# no Ray, no service, no sweep, no fuzz corpus (tests/conftest.py marks the rest).
 # `make clean` deletes the results (MLflow store, sweep folders) to start over; the venv stays
 # (`make clean-venv` removes it).
 PYTHON ?= python3.11
@@ -35,11 +36,11 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not integration"
 
 ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000

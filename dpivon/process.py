@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from dpivon.errors import DpivonError
+from dpivon.logs import quiet_known_output
 
 ALLOCATOR_ENV = "DPIVON_ALLOCATOR"
 ALLOCATORS = ("jemalloc", "keep-freed", "glibc")
@@ -95,3 +96,16 @@ def configure_process() -> None:
     choice = allocator()
     if choice == "keep-freed" or (choice == "jemalloc" and not jemalloc_loaded()):
         keep_freed_memory()
+
+
+def enter_ray_worker(threads: int) -> None:
+    """What a trial or benchmark run sets where it starts, a Ray worker being an entry point
+    of its own: the known output quiet, the allocator, and its CPU share as torch's thread
+    count (``threads``). Called by the Ray-side wrappers only, never by the training code
+    itself, so that a caller in its own process keeps its own settings."""
+    import torch  # here: the CLI imports this module before its jemalloc restart
+
+    quiet_known_output()
+    configure_process()
+    torch.set_num_threads(max(1, threads))
+

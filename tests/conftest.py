@@ -12,6 +12,12 @@
 - ``fresh_local_ray``: a local Ray of 2 CPUs started for one test, after the environment the
   test set (its workers inherit it), whatever Ray an earlier test left in this process
 
+Two tiers, marked here by what a test uses (`pytest_collection_modifyitems`), so that a new
+test lands in its tier without a decorator: the integration tier (marker ``integration``)
+holds every test that starts Ray or a service process, runs a whole sweep or benchmark, or
+draws the generated fuzz corpus; the rest is the unit tier, `make test-fast` (with
+``not slow``). `make test` runs both.
+
 Processes run in sessions of their own and are ended by their process group, never by
 name: other Ray clusters on the same machine are not touched.
 """
@@ -121,9 +127,8 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15) -> 
 
 @pytest.fixture
 def one_thread():
-    """Tiny models: one thread avoids the thread-pool overhead that dominates them. Also
-    for tests that run a trial or benchmark body in this process (it sets its own thread
-    count): the later tests get the count back."""
+    """Tiny models: one thread avoids the thread-pool overhead that dominates them; the
+    later tests get the count back."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -403,3 +408,23 @@ def fresh_local_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+# The integration tier: modules that are sweeps, clusters, servers or the fuzz corpus
+# throughout, and the fixtures that start Ray, a service or a whole benchmark.
+INTEGRATION_MODULES = frozenset({
+    "test_sweep", "test_sweep_resilience", "test_faults", "test_topology", "test_storage",
+    "test_tracking_server", "test_serving", "test_from_sweep", "test_fuzz", "test_readme",
+    "test_quiet_output",
+})  # fmt: skip
+INTEGRATION_FIXTURES = frozenset({
+    "spawn", "pg", "postgres", "s3", "s3_endpoint", "mlflow_servers", "ray_cluster",
+    "fresh_local_ray", "finished_benchmark",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)

@@ -32,6 +32,7 @@ from dpivon.evaluation import evaluate_as_configured
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
 from dpivon.orchestration.storage import SweepStorage
+from dpivon.process import enter_ray_worker
 from dpivon.shift import ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import RunRecord, aggregate, compare, records_frame
 from dpivon.study.benchmark import (
@@ -321,14 +322,14 @@ def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None
     with monkeypatch.context() as patch:
         patch.setattr("dpivon.study.benchmark.train", train_until_interrupted)
         with pytest.raises(KeyboardInterrupt):
-            run_one(config, data, 1, checkpoint)
+            run_one(config, data, checkpoint)
     assert checkpoint.load().state["epoch"] == 1
 
 
 def resumed(config, data, checkpoint) -> tuple[TrainResult, list[int]]:
     """run_one continued from ``checkpoint``, and the epochs it reported as done."""
     done = queue.SimpleQueue()
-    result = run_one(config, data, 1, checkpoint, checkpoint.load(), done)
+    result = run_one(config, data, checkpoint, checkpoint.load(), done)
     reported = []
     while not done.empty():
         name, epoch = done.get()
@@ -341,6 +342,25 @@ def parameters(result) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in result.model.parameters()])
 
 
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_threads_are_set_by_the_ray_worker_entry_never_by_the_run(tmp_path, two_threads):
+    """A run called in the caller's process keeps the caller's thread count; the worker
+    entry sets the run's CPU share."""
+    config = checkpoint_config(research_mode=True, epochs=1)
+    spec = RunSpec("dp-sgd", 8.0, 0, config)
+    run_one(config, load_data(config), RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
+    assert torch.get_num_threads() == 2
+    enter_ray_worker(1)
+    assert torch.get_num_threads() == 1
+
+
 def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
     tmp_path, monkeypatch, one_thread
 ):
@@ -349,7 +369,7 @@ def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
     config = checkpoint_config(research_mode=True)
     data = load_data(config)
     spec = RunSpec("dp-ivon-gradsq", 8.0, 0, config)
-    whole = run_one(config, data, 1, RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
+    whole = run_one(config, data, RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
     checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "b"), spec)
     interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
     started = time.perf_counter()
@@ -663,7 +683,7 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark, one_
     # ... after the run had checkpointed its (only) epoch
     spec = next(r for r in pipeline.runs if r.key == "dp-sgd|eps8|seed1")
     checkpoint = RunCheckpoint.of(pipeline.storage, spec)
-    run_one(spec.config, load_data(spec.config), 1, checkpoint)
+    run_one(spec.config, load_data(spec.config), checkpoint)
     assert checkpoint.load().state["epoch"] == 1
 
     with pytest.raises(DpivonError, match="pass --resume"):

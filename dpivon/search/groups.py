@@ -33,6 +33,7 @@ from ray.tune.search.optuna import OptunaSearch
 from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import SweepStorage
+from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
 from dpivon.search.results import (
@@ -105,7 +106,9 @@ def run_group_trial(
     shift_severity: int | None = None,
 ) -> None:
     """The sweep's trainable: one trial of the group its config names, or on a resume
-    the outcome MLflow already records for it (``recorded``, by trial id)."""
+    the outcome MLflow already records for it (``recorded``, by trial id); ``threads``: its
+    CPU share."""
+    enter_ray_worker(threads)
     outcome = recorded.get(tune.get_context().get_trial_id())
     if outcome is not None:
         outcome.report_again()
@@ -116,7 +119,6 @@ def run_group_trial(
         data=data,
         base_config=base_config,
         space=space,
-        threads=threads,
         shift_severity=shift_severity,
     )
 

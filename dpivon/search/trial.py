@@ -25,8 +25,6 @@ from ray import tune
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
-from dpivon.logs import quiet_known_output
-from dpivon.process import configure_process
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.shift import validation_shift_scores
@@ -102,14 +100,10 @@ def run_trial(
     data: DataSplits,
     base_config: dict[str, Any],
     space: SearchSpace,
-    threads: int,
     shift_severity: int | None = None,
 ) -> None:
     """Ray Tune function trainable: ``params`` is what OptunaSearch drew; with
     ``shift_severity`` every epoch also reports the ``val_shift_*`` objectives."""
-    quiet_known_output()  # a Ray worker is an entry point of its own
-    configure_process()
-    torch.set_num_threads(max(1, threads))
     config = trial_train_config(base_config, space, params, tune.get_context().get_trial_id())
     # in every report, so that the driver has it whichever report it sees first
     node = {

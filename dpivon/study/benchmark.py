@@ -40,7 +40,6 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate_as_configured
-from dpivon.logs import quiet_known_output
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
@@ -48,7 +47,7 @@ from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.noise import noise_statement
-from dpivon.process import configure_process
+from dpivon.process import enter_ray_worker
 from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
@@ -208,24 +207,26 @@ class RunCheckpoint:
         self.folder.remove(self.name)
 
 
+def run_in_worker(threads: int, *args: Any) -> TrainResult:
+    """The Ray task: ``run_one(*args)`` in a worker that it sets up first, ``threads`` being
+    its CPU share."""
+    enter_ray_worker(threads)
+    return run_one(*args)
+
+
 def run_one(
     config: TrainConfig,
     data: DataSplits,
-    threads: int,
     checkpoint: RunCheckpoint,
     resume: SavedEpoch | None = None,
     epochs_done: EpochSink | None = None,
     shift_set: ShiftSet | None = None,
 ) -> TrainResult:
-    """Body of the Ray task: train (from ``resume``, checkpointing every epoch), test,
-    temperature-scale, score under ``shift_set`` (the pipeline's ``shift``); the model
+    """One benchmark run (the Ray task's body): train (from ``resume``, checkpointing every
+    epoch), test, temperature-scale, score under ``shift_set`` (the pipeline's ``shift``); the model
     returns on the CPU, its wall time summed over attempts.
     After each checkpoint, ``(checkpoint name, epoch)`` goes to ``epochs_done`` (a queue:
     the driver's progress line)."""
-    quiet_known_output()  # a Ray worker is an entry point of its own
-    configure_process()
-    torch.set_num_threads(max(1, threads))
-
     earlier_s = resume.seconds if resume is not None else 0.0
     started = time.perf_counter()
 
@@ -441,7 +442,7 @@ def execute_runs(
     """Submit ``todo`` as Ray tasks, at most ``concurrency`` at a time, and log each result
     as it arrives. Waits are bounded: POLL_S per wait, ``run_timeout_s`` per run."""
     cpu, gpu = pipeline.resources.cpu, pipeline.resources.gpu
-    task = ray.remote(num_cpus=cpu, num_gpus=gpu, max_retries=0)(run_one)
+    task = ray.remote(num_cpus=cpu, num_gpus=gpu, max_retries=0)(run_in_worker)
     shift_set = SHIFT_SETS.get(pipeline.shift)  # None: "none"
     data_ref = ray.put(data)
     queue = list(todo)
@@ -469,9 +470,8 @@ def execute_runs(
                 epochs[checkpoint.name] = epoch = saved.state["epoch"]
                 tracker.set_tags(run_id, {RESUMED_TAG: str(epoch)})
                 bar.console.print(f"[bold]{spec.key}[/] continues after epoch {epoch}")
-            threads = max(1, int(cpu))
             ref = task.remote(
-                spec.config, data_ref, threads, checkpoint, saved, epochs_done, shift_set
+                max(1, int(cpu)), spec.config, data_ref, checkpoint, saved, epochs_done, shift_set
             )
             in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
 
