@@ -76,7 +76,7 @@ __all__ = [  # the optimizer names are the registry's, re-exported for config us
 ]
 
 CIFAR10_TRAIN_IMAGES = 50_000
-CIFAR10_CLASSES = 10
+NUM_CLASSES = 10
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
 # The choice lists a config names; the code that implements each choice takes its list from
@@ -113,7 +113,7 @@ class DataConfig(Section):
     data_path: str | None = None  # CIFAR-10 tarball or folder; None: $DPIVON_DATA, the cache
     val_size: Count  # default: 5000 for cifar10, a tenth of synthetic_size
     per_class: Count | None = None  # a class-balanced subset of the training images
-    synthetic_size: Annotated[Int, Bound(ge=CIFAR10_CLASSES)] = 2000
+    synthetic_size: Annotated[Int, Bound(ge=NUM_CLASSES)] = 2000
     data_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] | None = None
 
     @model_validator(mode="before")
@@ -134,7 +134,7 @@ class DataConfig(Section):
                 f"images of {self.dataset}"
             )
         if self.per_class is not None:
-            available = (total - self.val_size) // CIFAR10_CLASSES
+            available = (total - self.val_size) // NUM_CLASSES
             if self.per_class > available:
                 raise ValueError(
                     f"per_class {self.per_class} exceeds the about {available} images per "
@@ -151,7 +151,7 @@ class DataConfig(Section):
     def train_size(self) -> int:
         """Images a run trains on (what the sampling rate q = batch_size / N refers to)."""
         if self.per_class is not None:
-            return self.per_class * CIFAR10_CLASSES
+            return self.per_class * NUM_CLASSES
         return self.total_train_images - self.val_size
 
 

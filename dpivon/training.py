@@ -25,8 +25,8 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
 from dpivon.metrics import ReliabilityDiagram, json_number, reliability_diagram
 from dpivon.models import build_model
+from dpivon.optim.build import build_optimizer
 from dpivon.optim.ivon import DPIVON, IVON
-from dpivon.optim.registry import build_optimizer
 from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
 from dpivon.privacy.noise import (
     RESEARCH_MODE_WARNING,

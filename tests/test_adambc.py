@@ -16,7 +16,7 @@ from torch import nn
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.errors import DpivonError
 from dpivon.optim.adambc import DPAdamBC
-from dpivon.optim.registry import build_optimizer
+from dpivon.optim.build import build_optimizer
 from dpivon.training import load_data, train
 
 DTYPE = torch.float64

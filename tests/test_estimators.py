@@ -20,6 +20,7 @@ from torch import nn
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
+from dpivon.optim.build import build_optimizer
 from dpivon.optim.ivon import (
     CLAMPED_NOISE_MEAN,
     DPIVON,
@@ -33,7 +34,6 @@ from dpivon.optim.ivon import (
     pooled_noise_corrected_squared_gradient,
     shrunk_squared_gradient,
 )
-from dpivon.optim.registry import build_optimizer
 from dpivon.training import train
 
 DTYPE = torch.float64

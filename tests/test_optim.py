@@ -17,8 +17,8 @@ from torch import nn
 
 from dpivon.config import OPTIMIZER_NAMES, TrainConfig
 from dpivon.optim.adambc import DPAdamBC
+from dpivon.optim.build import build_optimizer
 from dpivon.optim.ivon import DPIVON, IVON, gradsq_hessian
-from dpivon.optim.registry import build_optimizer
 
 DTYPE = torch.float64
 N_IN, N_HIDDEN, N_OUT = 4, 6, 3

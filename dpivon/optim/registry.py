@@ -1,5 +1,6 @@
-"""The optimizer registry: each name's options (a config sub-model), class, defaults and
-whether it is private, the way Opacus registers its accountants.
+"""The optimizer registry: each name's options (a config sub-model), defaults and whether it
+is private, the way Opacus registers its accountants; each options family's class is in
+`dpivon.optim.build`.
 
 DP-SGD and DP-Adam are plain SGD and Adam under an Opacus DPOptimizer; the DP-IVON family
 is `DPIVON` and DP-AdamBC is `DPAdamBC`, which read the privatised gradient that the
@@ -8,16 +9,15 @@ DPOptimizer leaves in p.grad. Opacus wraps the private ones after `build_optimiz
 An option is declared once, with its constraint, on the options model of the family it
 belongs to; a family's optimizers differ only in their defaults and in what they fix
 (the DP-IVON variants are defined by their estimator). This module imports no torch: the
-config tree (dpivon.config) is built from it, and the optimizer classes load on first use.
+config tree (dpivon.config) is built from it.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
@@ -29,9 +29,6 @@ from dpivon.constraints import (
     PositiveFloat,
     Rate,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 # The choices of DP-IVON's estimators (dpivon.optim.ivon dispatches on them): an estimator is
 # added here and there, nowhere else.
@@ -159,8 +156,7 @@ class GradsqIVONOptions(DPIVONOptions):
 class OptimizerSpec:
     """One registered optimizer."""
 
-    options: type[OptimizerOptions]
-    optimizer_class: str  # "module:Class", imported on first build
+    options: type[OptimizerOptions]  # its family, which decides its class
     private: bool
     defaults: Mapping[str, Any] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)  # what the name itself decides
@@ -169,47 +165,46 @@ class OptimizerSpec:
 # IVON's CIFAR recipe (Shen et al.) for the non-private optimizers; the private IVON family
 # needs a far larger lr: its step is about lr * g_dp while h stays near hess_init.
 _IVON_DEFAULTS = {"hess_init": 0.5, "beta2": 0.99999, "weight_decay": 2e-4, "hess_floor": 0.0}
-_DPIVON = "dpivon.optim.ivon:DPIVON"
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "dp-ivon-gradsq": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True,
+        GradsqIVONOptions, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": True},
     ),
     "dp-ivon-gradsq-uncorrected": OptimizerSpec(
-        GradsqIVONOptions, _DPIVON, private=True,
+        GradsqIVONOptions, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS},
         fixed={"hess_approx": "gradsq", "noise_correction": False},
     ),
     "dp-ivon": OptimizerSpec(
-        DPIVONOptions, _DPIVON, private=True,
+        DPIVONOptions, private=True,
         defaults={"lr": 3.0, **_IVON_DEFAULTS}, fixed={"hess_approx": "price"},
     ),
     "dp-sgd": OptimizerSpec(
-        SGDOptions, "torch.optim:SGD", private=True,
+        SGDOptions, private=True,
         defaults={"lr": 0.5, "momentum": 0.9, "weight_decay": 0.0},
     ),
     "dp-adam": OptimizerSpec(
-        AdamOptions, "torch.optim:Adam", private=True,
+        AdamOptions, private=True,
         defaults={"lr": 2e-3, "beta2": 0.999, "weight_decay": 0.0},
     ),
     # The authors' CIFAR-10 CNN setting (lr 5e-6, gamma' 1e-9, with C 3 and batch 1024):
     # gamma' bounds 1 / sqrt(v_corr), so the lr sits far below DP-Adam's.
     "dp-adambc": OptimizerSpec(
-        AdamBCOptions, "dpivon.optim.adambc:DPAdamBC", private=True,
+        AdamBCOptions, private=True,
         defaults={"lr": 5e-6, "beta2": 0.999, "weight_decay": 0.0, "second_moment_floor": 1e-9},
     ),
     "ivon": OptimizerSpec(
-        IVONOptions, "dpivon.optim.ivon:IVON", private=False,
+        IVONOptions, private=False,
         defaults={"lr": 0.2, "hess_approx": "price", **_IVON_DEFAULTS},
     ),
     "sgd": OptimizerSpec(
-        SGDOptions, "torch.optim:SGD", private=False,
+        SGDOptions, private=False,
         defaults={"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
     ),
     "adam": OptimizerSpec(
-        AdamOptions, "torch.optim:Adam", private=False,
+        AdamOptions, private=False,
         defaults={"lr": 2e-3, "beta2": 0.999, "weight_decay": 0.0},
     ),
 }  # fmt: skip
@@ -259,17 +254,3 @@ def optimizer_options(values: Mapping[str, Any]) -> OptimizerOptions:
                 f"{'optimizer ivon' if estimator else 'another optimizer'} to choose freely)"
             )
     return spec.options.model_validate({"name": name, **spec.defaults, **given, **spec.fixed})
-
-
-def build_optimizer(
-    options: OptimizerOptions,
-    params: Iterable[torch.nn.Parameter],
-    *,
-    dataset_size: int,
-    grad_noise_std: float = 0.0,
-) -> torch.optim.Optimizer:
-    """The optimizer ``options`` describe, before any privacy wrapping."""
-    module, _, name = OPTIMIZERS[options.name].optimizer_class.partition(":")
-    optimizer_class = getattr(importlib.import_module(module), name)
-    kwargs = options.optimizer_kwargs(dataset_size=dataset_size, grad_noise_std=grad_noise_std)
-    return optimizer_class(params, **kwargs)
