@@ -38,6 +38,7 @@ from dpivon.privacy.noise import (
 from dpivon.privacy.sampling import PoissonBatches, ShuffledBatches
 from dpivon.privacy.tuning import TrialMechanism, check_tuning_cost, compose_with_tuning
 from dpivon.privacy.validation import private_validation_scores
+from dpivon.saved_files import read_saved, versioned
 
 # Metrics computed on raw training batches: a private run's epsilon does not cover them.
 NOT_COVERED_METRICS = ("train_loss",)
@@ -470,14 +471,10 @@ class EpochCheckpoint:
         self.path, self.config = path, config
         self.run_id: str | None = None
         self.state: dict | None = None
-        if path.is_dir():
-            raise DpivonError(f"checkpoint {path} is a directory; name a file")
-        if path.exists():
-            try:
-                saved = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as err:  # a truncated or foreign file: say which
-                raise DpivonError(f"checkpoint {path} is unreadable ({err}); delete it") from None
-            if saved.get("config") != config.flat():
+        if path.exists() or path.is_symlink():
+            fields = {"config": dict, "mlflow_run_id": str, "training": dict}
+            saved = read_saved(path, "checkpoint", fields)
+            if saved["config"] != config.flat():
                 raise DpivonError(
                     f"checkpoint {path} is of another run configuration; delete it or point "
                     "--checkpoint elsewhere"
@@ -492,7 +489,7 @@ class EpochCheckpoint:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".tmp")
         payload = {"config": self.config.flat(), "mlflow_run_id": run_id, "training": state}
-        torch.save(payload, partial)
+        torch.save(versioned(payload), partial)
         partial.replace(self.path)  # atomic: an interrupted save leaves the last epoch's
 
 

@@ -99,3 +99,39 @@ def test_a_checkpoint_whose_unpickling_runs_code_is_refused_and_runs_nothing(tmp
         tmp_path / "mlflow.db"
     ).exists() else []
     assert not runs  # refused before any run was opened
+
+
+def _forged(**fields) -> dict:
+    return {"config": {"optimizer": "adam"}, "mlflow_run_id": "x", "training": {}, **fields}
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+DAMAGED_CHECKPOINTS = {
+    "truncated": (lambda: _torch_bytes(_forged())[:300], "cut short"),
+    "random bytes": (lambda: os.urandom(4096), "not a file dpivon wrote"),
+    "a list": (lambda: _torch_bytes([1, 2, 3]), "holds a list"),
+    "a state dict": (lambda: _torch_bytes({"weight": [0.0]}), "lacks 'config'"),
+    "another configuration": (lambda: _torch_bytes(_forged()), "another run configuration"),
+    "an older layout": (lambda: _torch_bytes(_forged(format=0)), "layout version 0"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_it_and_opens_no_run(tmp_path, case):
+    make, reason = DAMAGED_CHECKPOINTS[case]
+    (tmp_path / "ck.pt").write_bytes(make())
+    ran = _train(tmp_path, "--checkpoint", "ck.pt")
+    assert ran.returncode == 2, ran.stderr
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ck.pt" in lines[0] and reason in lines[0], ran.stderr
+    store = tmp_path / "mlflow.db"
+    assert not store.exists() or not MlflowClient(f"sqlite:///{store}").search_runs(["0"])

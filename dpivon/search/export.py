@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 import yaml
 
 from dpivon.config import TrainConfig, TuningCost
@@ -37,6 +36,7 @@ from dpivon.search.pipeline import load_pipeline
 from dpivon.search.sweep import SweepState
 from dpivon.search.sweep_files import FRONT_FILE, PRIVATE_TUNING_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
+from dpivon.tracking.checkpoints import load_checkpoint
 
 DEFAULT_STORAGE = "dpivon-runs"
 
@@ -80,8 +80,8 @@ def trial_config(storage: SweepStorage, row: pd.Series) -> TrainConfig:
     """The complete config a trial trained with, from its final checkpoint (named inside
     the sweep's folder, wherever that folder is now)."""
     with local_copy(storage.location(row["checkpoint"])) as checkpoint:
-        state = torch.load(checkpoint / MODEL_FILE, map_location="cpu", weights_only=True)
-    return TrainConfig.model_validate(state["config"])
+        config, _, _ = load_checkpoint(checkpoint / MODEL_FILE)
+    return config
 
 
 def departure(storage: SweepStorage, how: str | None) -> str | None:

@@ -48,6 +48,7 @@ from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import enter_ray_worker
+from dpivon.saved_files import read_saved, versioned
 from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
@@ -186,11 +187,9 @@ class RunCheckpoint:
         if not self.folder.exists(self.name):
             return None
         where = self.folder.location(self.name)
-        try:
-            saved = torch.load(io.BytesIO(self.folder.read_bytes(self.name)), weights_only=True)
-        except Exception as err:  # a truncated or foreign file: say which
-            raise DpivonError(f"checkpoint {where} is unreadable ({err}); delete it") from None
-        if saved.get("config_hash") != self.config_hash:
+        fields = {"config_hash": str, "training": dict, "seconds": (int, float)}
+        saved = read_saved(self.folder.read_bytes(self.name), "checkpoint", fields, where)
+        if saved["config_hash"] != self.config_hash:
             raise DpivonError(
                 f"checkpoint {where} is of another configuration of this run; delete it to "
                 "train the run from its start"
@@ -200,7 +199,7 @@ class RunCheckpoint:
     def save(self, saved: SavedEpoch) -> None:
         buffer = io.BytesIO()
         payload = {"training": saved.state, "seconds": saved.seconds}
-        torch.save({"config_hash": self.config_hash, **payload}, buffer)
+        torch.save(versioned({"config_hash": self.config_hash, **payload}), buffer)
         self.folder.write_bytes(self.name, buffer.getvalue())
 
     def remove(self) -> None:

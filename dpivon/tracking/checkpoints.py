@@ -8,8 +8,10 @@ from typing import BinaryIO
 import torch
 
 from dpivon.config import TrainConfig
+from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
 from dpivon.models import build_model
+from dpivon.saved_files import read_saved, versioned
 
 
 def save_checkpoint(
@@ -20,20 +22,27 @@ def save_checkpoint(
 ) -> None:
     """Everything needed to rebuild the predictive: config, mean weights, posterior h."""
     torch.save(
-        {
+        versioned({
             "config": config.model_dump(mode="json"),
             "model_state": model.state_dict(),
             "posterior": posterior.state_dict() if posterior is not None else None,
-        },
+        }),
         path,
-    )
+    )  # fmt: skip
 
 
 def load_checkpoint(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
-    """The config, model (on the CPU) and posterior that :func:`save_checkpoint` saved."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    config = TrainConfig.model_validate(state["config"])
-    model = build_model(config.model.name)
-    model.load_state_dict(state["model_state"])
-    posterior = Posterior.from_state_dict(state["posterior"]) if state["posterior"] else None
+    """The config, model (on the CPU) and posterior that :func:`save_checkpoint` saved;
+    a file that is not one gets one line naming it."""
+    path = Path(path)
+    fields = {"config": dict, "model_state": dict, "posterior": (dict, type(None))}
+    state = read_saved(path, "model file", fields)
+    try:
+        config = TrainConfig.model_validate(state["config"])
+        model = build_model(config.model.name)
+        model.load_state_dict(state["model_state"])
+        posterior = Posterior.from_state_dict(state["posterior"]) if state["posterior"] else None
+    except (ValueError, KeyError, RuntimeError) as err:  # edited by hand, or another model's
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DpivonError(f"model file {path} does not hold a model dpivon saved: {line}") from None
     return config, model, posterior

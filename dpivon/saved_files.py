@@ -1,0 +1,81 @@
+"""Reading back the torch files dpivon writes: a `dpivon train --checkpoint`, a benchmark
+run's checkpoint, a model file. One reader, safe (``weights_only``: a file cannot run code
+when it is loaded) and checked: a truncated, foreign, hand-edited or newer file gets one
+line naming the file and what is wrong with it, before any run is opened.
+
+Each file carries its layout's version (``FORMAT_KEY``); the files written before the key
+existed have exactly layout 1, so a file without it reads as 1.
+"""
+
+from __future__ import annotations
+
+import io
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpivon.errors import DpivonError
+
+FORMAT_KEY = "format"
+FORMAT_VERSION = 1
+
+
+def versioned(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """``payload`` as a file of this layout version saves it."""
+    return {FORMAT_KEY: FORMAT_VERSION, **payload}
+
+
+def _file_bytes(path: Path, what: str) -> bytes:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise DpivonError(f"{what} not found: {path}") from None
+    except OSError as err:
+        raise DpivonError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read forever
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise DpivonError(f"{what} {path} is {kind}; name the file dpivon wrote")
+    return path.read_bytes()
+
+
+def read_saved(
+    source: Path | bytes,
+    what: str,
+    fields: Mapping[str, type | tuple[type, ...]],
+    where: str | Path | None = None,
+) -> dict[str, Any]:
+    """The dict a dpivon ``what`` file saved, read from ``source`` (a path, or the bytes of
+    the file at ``where``), with each of ``fields`` present and of its type; else one
+    DpivonError line naming the file."""
+    if isinstance(source, Path):
+        where, data = source, _file_bytes(source, what)
+    else:
+        data = source
+    fix = "delete it or name another file"
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch's errors span many types; its first line says which
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DpivonError(
+            f"{what} {where} is not a file dpivon wrote, or is cut short ({reason[:120]}); {fix}"
+        ) from None
+    if not isinstance(saved, dict):
+        raise DpivonError(
+            f"{what} {where} holds a {type(saved).__name__}, not a dpivon {what}; {fix}"
+        )
+    version = saved.get(FORMAT_KEY, 1)
+    if version != FORMAT_VERSION:
+        raise DpivonError(
+            f"{what} {where} has layout version {version!r}; this dpivon reads version "
+            f"{FORMAT_VERSION}; {fix}"
+        )
+    wrong = [key for key, kind in fields.items() if not isinstance(saved.get(key), kind)]
+    if wrong:
+        raise DpivonError(
+            f"{what} {where} lacks {', '.join(repr(k) for k in wrong)} or holds another type "
+            f"there, so it is not a dpivon {what}; {fix}"
+        )
+    return saved
