@@ -72,7 +72,7 @@ def read_saved(
             f"{what} {where} has layout version {version!r}; this dpivon reads version "
             f"{FORMAT_VERSION}; {fix}"
         )
-    wrong = [key for key, kind in fields.items() if not isinstance(saved.get(key), kind)]
+    wrong = [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
     if wrong:
         raise DpivonError(
             f"{what} {where} lacks {', '.join(repr(k) for k in wrong)} or holds another type "

@@ -66,6 +66,16 @@ def test_read_images_reads_files_folders_and_batches(tmp_path):
         read_images([tmp_path / "missing.jpg"])
 
 
+def test_read_images_names_an_npz_archive_and_a_file_that_is_no_image(tmp_path):
+    np.savez(tmp_path / "arrays.npz", images=PIXELS)
+    (tmp_path / "arrays.npz").rename(tmp_path / "arrays.npy")  # np.load opens it by content
+    with pytest.raises(DpivonError, match=r"arrays\.npy is an \.npz archive"):
+        read_images([tmp_path / "arrays.npy"])
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(DpivonError, match=r"cannot read the image .*notes\.png"):
+        read_images([tmp_path / "notes.png"])
+
+
 def _posterior(model: torch.nn.Module, hess: float) -> Posterior:
     return Posterior({n: torch.full_like(p, hess) for n, p in model.named_parameters()}, 500, 1e-4)
 
@@ -148,3 +158,31 @@ def test_progress_counts_the_whole_sweep_and_the_group_and_adds_up(capsys):
     line = " ".join(capsys.readouterr().err.split())
     assert "a 3/4 finished (2 completed, 1 stopped early, 0 failed), 0 running, 1 waiting" in line
     assert "sweep 5/10 finished (2 completed, 1 stopped early, 2 failed), 1 running, 4 wait" in line
+
+
+def test_a_model_file_that_dpivon_did_not_save_is_named_in_one_line(tmp_path):
+    from dpivon.config import TrainConfig
+    from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
+
+    config = TrainConfig(optimizer="dp-sgd", dataset="synthetic", model="small-cnn")
+    save_checkpoint(tmp_path / "good.pt", config, build_model("small-cnn"), None)
+    assert load_checkpoint(tmp_path / "good.pt")[0] == config
+    saved = torch.load(tmp_path / "good.pt", weights_only=True)
+    other_model = {**saved, "config": {**saved["config"], "model": {"name": "tanh-cnn"}}}
+    cases = {
+        "cut short": (tmp_path / "good.pt").read_bytes()[:500],
+        "not a file dpivon wrote": bytes(range(256)) * 8,
+        "holds a tuple": (1, 2),
+        "lacks 'config', 'model_state', 'posterior'": {"weight": torch.zeros(2)},
+        "layout version 2": {**saved, "format": 2},
+        "does not hold a model dpivon saved": other_model,
+    }
+    for reason, content in cases.items():
+        path = tmp_path / "model.pt"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        with pytest.raises(DpivonError, match=r"model file .*model\.pt") as refused:
+            load_checkpoint(path)
+        assert reason in str(refused.value) and "\n" not in str(refused.value)

@@ -105,6 +105,8 @@ def _read_batch(path: Path) -> np.ndarray:
         batch = np.load(path, allow_pickle=False)
     except (ValueError, OSError) as err:
         raise DpivonError(f"cannot read the batch {path}: {err}") from None
+    if not isinstance(batch, np.ndarray):  # an .npz archive: several arrays, not one batch
+        raise DpivonError(f"{path} is an .npz archive of arrays; save the batch with np.save")
     if batch.ndim != 4 or batch.shape[1:] not in (IMAGE_SHAPE, CHANNELS_FIRST):
         raise DpivonError(f"{path}: a batch is (N, 32, 32, 3) or (N, 3, 32, 32), got {batch.shape}")
     return batch if batch.shape[1:] == IMAGE_SHAPE else batch.transpose(0, 2, 3, 1)
