@@ -22,6 +22,7 @@ import pytest
 import ray
 import torch
 import yaml
+from damaged_files import damaged_torch_files, torch_bytes
 from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
@@ -483,6 +484,27 @@ def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: invalid benchmark")
     assert message in result.output
+
+
+BENCHMARK_CHECKPOINT = {"config_hash": "0" * 16, "training": {}, "seconds": 1.0}
+DAMAGED_RUN_CHECKPOINTS = {
+    **damaged_torch_files(BENCHMARK_CHECKPOINT),
+    "another configuration": (torch_bytes(BENCHMARK_CHECKPOINT), "another configuration"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_RUN_CHECKPOINTS)
+def test_resume_names_a_damaged_run_checkpoint_before_mlflow_or_ray(tmp_path, case):
+    content, reason = DAMAGED_RUN_CHECKPOINTS[case]
+    pipeline = load_benchmark(write_benchmark(tmp_path, epsilons=[8]))
+    checkpoint = RunCheckpoint.of(pipeline.storage, pipeline.runs[-1])
+    checkpoint.folder.write_bytes(checkpoint.name, content)
+    result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and reason in lines[0], result.output
+    assert checkpoint.folder.location(checkpoint.name) in lines[0]
+    assert not (tmp_path / "mlflow.db").exists()  # no store opened, let alone a run
 
 
 def test_a_non_private_method_runs_at_eps_inf_only(tmp_path):

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from damaged_files import damaged_torch_files, torch_bytes
 from mlflow.tracking import MlflowClient
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
@@ -101,34 +102,18 @@ def test_a_checkpoint_whose_unpickling_runs_code_is_refused_and_runs_nothing(tmp
     assert not runs  # refused before any run was opened
 
 
-def _forged(**fields) -> dict:
-    return {"config": {"optimizer": "adam"}, "mlflow_run_id": "x", "training": {}, **fields}
 
-
-def _torch_bytes(obj) -> bytes:
-    import io
-
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-DAMAGED_CHECKPOINTS = {
-    "truncated": (lambda: _torch_bytes(_forged())[:300], "cut short"),
-    "random bytes": (lambda: os.urandom(4096), "not a file dpivon wrote"),
-    "a list": (lambda: _torch_bytes([1, 2, 3]), "holds a list"),
-    "a state dict": (lambda: _torch_bytes({"weight": [0.0]}), "lacks 'config'"),
-    "another configuration": (lambda: _torch_bytes(_forged()), "another run configuration"),
-    "an older layout": (lambda: _torch_bytes(_forged(format=0)), "layout version 0"),
+FORGED = {"config": {"optimizer": "adam"}, "mlflow_run_id": "x", "training": {}}
+DAMAGED = {
+    **damaged_torch_files(FORGED),
+    "another configuration": (torch_bytes(FORGED), "another run configuration"),
 }
 
 
-@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
+@pytest.mark.parametrize("case", DAMAGED)
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_it_and_opens_no_run(tmp_path, case):
-    make, reason = DAMAGED_CHECKPOINTS[case]
-    (tmp_path / "ck.pt").write_bytes(make())
+    content, reason = DAMAGED[case]
+    (tmp_path / "ck.pt").write_bytes(content)
     ran = _train(tmp_path, "--checkpoint", "ck.pt")
     assert ran.returncode == 2, ran.stderr
     lines = [line for line in ran.stderr.splitlines() if line.strip()]

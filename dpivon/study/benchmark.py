@@ -599,6 +599,8 @@ def run_benchmark(
     far (an interrupted benchmark's, whose parent keeps its status).
     """
     pipeline.storage.check_writable()
+    if resume and not report_only:
+        _check_run_checkpoints(pipeline)
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     if report_only:
         return _report_only(pipeline, tracker)
@@ -632,6 +634,13 @@ def run_benchmark(
     tracker.set_tags(parent, {"failed_runs": str(len(outcome.failed))})
     tracker.end_run(parent, "FINISHED")
     return outcome
+
+
+def _check_run_checkpoints(pipeline: BenchmarkPipeline) -> None:
+    """Every run checkpoint a resume would continue from reads back as one (a damaged file
+    is named before MLflow or Ray starts, not when its run's turn comes)."""
+    for spec in pipeline.runs:
+        RunCheckpoint.of(pipeline.storage, spec).load()
 
 
 def _report_only(pipeline: BenchmarkPipeline, tracker: Tracker) -> BenchmarkOutcome:

@@ -1,0 +1,29 @@
+"""Files that are not what dpivon wrote, made from a payload of the right layout, with the
+words of the refusal each must get: the readers' contract tests feed them to every command
+that reads a dpivon torch file."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def damaged_torch_files(valid: dict[str, Any]) -> dict[str, tuple[bytes, str]]:
+    """Case name -> (file content, words of its refusal); ``valid`` is a payload of the
+    reader's layout (its values may be of another configuration)."""
+    return {
+        "truncated": (torch_bytes(valid)[:300], "cut short"),
+        "random bytes": (os.urandom(4096), "not a file dpivon wrote"),
+        "a list": (torch_bytes([1, 2, 3]), "holds a list"),
+        "a state dict": (torch_bytes({"weight": torch.zeros(2)}), "lacks"),
+        "an older layout": (torch_bytes({**valid, "format": 0}), "layout version 0"),
+    }
