@@ -67,13 +67,34 @@ def load_results(storage: SweepStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
             f"sweep in {storage.uri} has no results yet (no {FRONT_FILE}); it is still "
             "running or was interrupted: finish it with `dpivon sweep PIPELINE --resume`"
         )
+    trials, front = (_read_table(storage, name) for name in (TRIALS_FILE, FRONT_FILE))
+    return trials, front
+
+
+# what every trial row holds; a front row also names its final checkpoint
+TABLE_COLUMNS = {
+    TRIALS_FILE: ("trial_id", "group", "optimizer", "epsilon"),
+    FRONT_FILE: ("trial_id", "group", "optimizer", "epsilon", "checkpoint"),
+}
+
+
+def _read_table(storage: SweepStorage, name: str) -> pd.DataFrame:
+    """One results table, its columns checked: a damaged one is named in one line."""
+    where = storage.location(name)
     # identifiers stay text: Tune's trial ids may be all digits ("06927759")
     ids = dict.fromkeys(("trial_id", "run_id", "group"), str)
-    trials, front = (
-        pd.read_csv(io.BytesIO(storage.read_bytes(name)), dtype=ids)
-        for name in (TRIALS_FILE, FRONT_FILE)
-    )
-    return trials, front
+    try:
+        table = pd.read_csv(io.BytesIO(storage.read_bytes(name)), dtype=ids)
+    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DpivonError(f"sweep table {where} is not a CSV table dpivon wrote ({line})") from None
+    missing = [c for c in TABLE_COLUMNS[name] if c not in table.columns]
+    if missing:
+        raise DpivonError(
+            f"sweep table {where} lacks the column(s) {', '.join(missing)}: it was edited or "
+            "damaged; `dpivon sweep PIPELINE --resume` on the finished sweep writes it again"
+        )
+    return table
 
 
 def trial_config(storage: SweepStorage, row: pd.Series) -> TrainConfig:
@@ -185,6 +206,12 @@ def export_configs(
     state = SweepState.load(storage)
     how = how or state.release_pick or "knee"
     _, front = load_results(storage)
+    unscored = [m for m, _ in objectives if m not in front.columns]
+    if unscored:
+        raise DpivonError(
+            f"sweep table {storage.location(FRONT_FILE)} has no column for the objective(s) "
+            f"{', '.join(unscored)}: it was edited, or the objectives are another sweep's"
+        )
     if optimizer is not None:
         front = front[front["optimizer"] == optimizer]
     if epsilon is not None:

@@ -93,6 +93,9 @@ class SweepState(RunState):
     batch_divisor: int | None = None
 
     def __post_init__(self) -> None:
+        # a TypeError here is the loader's one line naming the damaged file
+        if not self.objectives or not all(len(pair) == 2 for pair in self.objectives):
+            raise TypeError(f"objectives are (metric, direction) pairs, not {self.objectives!r}")
         self.objectives = [tuple(pair) for pair in self.objectives]  # JSON holds lists
 
 
