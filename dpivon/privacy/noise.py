@@ -87,9 +87,10 @@ def unit_uniforms(words: Tensor, out: Tensor, scale: float = 1.0) -> Tensor:
 
 def positive_uniforms(words: Tensor, out: Tensor) -> Tensor:
     """Uniforms in (0, 1] in ``out``: (m + 1) 2^-(w-1) for the top w - 1 bits m of the
-    w-bit ``words``, so a logarithm never meets 0 and its tail keeps all of them (the
-    smallest value, 2^-31 in float32, is exact; above 2^-8 the values round to ``out``'s
-    significand, a relative 2^-24 that moves small radii only). ``words`` is overwritten."""
+    w-bit ``words``, so a logarithm never meets 0 and its tail keeps all of them: values
+    up to 2^-7 in float32 (2^-10 in float64), the tail, are exact; larger ones round to
+    ``out``'s significand, a relative 2^-24 (2^-53) that moves radii below 3.1 (3.7)
+    slightly. ``words`` is overwritten."""
     width = _word_bits(words)
     words.bitwise_right_shift_(1).bitwise_and_(2 ** (width - 1) - 1)
     return out.copy_(words).add_(1.0).mul_(2.0 ** -(width - 1))
