@@ -2,7 +2,9 @@
 # One short, prepared benchmark run for a lent GPU (about 10 minutes on one H200-class GPU,
 # plus the trials: 12 `dpivon train` runs).
 #
-# Prints the step-time table of benchmarks/step_time.py (every private optimizer x engine
+# Runs the CUDA cases of the secure-noise tests and benchmarks/secure_noise.py (secure /
+# research step ratio, noise ns per coordinate; $OUT/secure-noise.json). Prints the
+# step-time table of benchmarks/step_time.py (every private optimizer x engine
 # bk, hooks, functorch, ghost, against non-private Adam; tanh-cnn and wrn-16-4; batch 256
 # and 1024; peak memory from torch.cuda.max_memory_allocated) and the end-to-end time of
 # one CIFAR-10 epoch (data, training, validation and test evaluation) of tanh-cnn and
@@ -27,6 +29,14 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+# Secure noise on the GPU: ChaCha20 bit-exactness and the draws on CUDA (the tests that
+# skip without one, among them that the CUDA draws are the CPU's stream), then the secure /
+# research step ratio and the noise alone in ns per coordinate ($OUT/secure-noise.json).
+PYTHONPATH=. "$PYTHON" -m pytest -q -rs tests/test_chacha.py tests/test_secure_noise.py \
+    -k "cuda or device or torch_keystream"
+"$PYTHON" benchmarks/secure_noise.py --device cuda --cases tanh-cnn:256 tanh-cnn:1024 \
+    wrn-16-4:64 wrn-16-4:1024 --steps "${STEPS:-10}" --json "$OUT/secure-noise.json"
 
 # The CIFAR-10 cache is built once (about a minute), so that the epoch times below measure
 # the loading a run does, not the one-off JPEG decoding.

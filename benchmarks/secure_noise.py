@@ -1,16 +1,18 @@
 """Cost of secure noise: a private step with secure noise against the same step in research mode.
 
 Secure mode (the default) draws the DP noise and the Poisson mask from a ChaCha20 stream
-keyed by the OS, four Gaussians per coordinate (Opacus's floating-point defence), made in
-float64 on the CPU and moved to the device; research mode draws one Gaussian per coordinate
-from a seeded torch generator on the device (`dpivon.privacy.noise`). Both configurations
-of an optimizer are built by `build_training` and timed round-robin in one process, one
-step of each per round (`step_time.timed_step`: the batch is drawn before the clock
-starts, so the step time holds the noise but not the mask), ms/step the median after
-warm-up. The mask and the noise are also timed alone, for the model's parameter count.
+keyed by the OS, four Gaussians per coordinate (Opacus's floating-point defence), made on
+the training device in the parameters' dtype (OpenSSL's keystream on a CPU, the torch
+ChaCha20 of `dpivon.privacy.chacha` elsewhere); research mode draws one Gaussian per
+coordinate from a seeded torch generator on the device (`dpivon.privacy.noise`). For each
+case (model, batch size) both configurations of an optimizer are built by
+`build_training` and timed round-robin in one process, one step of each per round
+(`step_time.timed_step`: the batch is drawn before the clock starts, so the step time holds
+the noise but not the mask), ms/step the median after warm-up. The noise and the mask are
+also timed alone, the noise in ns per coordinate of the model.
 
-    python benchmarks/secure_noise.py                       # tanh-cnn, b256, CPU: minutes
-    python benchmarks/secure_noise.py --optimizers dp-sgd --steps 20 --device cuda
+    python benchmarks/secure_noise.py            # tanh-cnn b256 and WRN-16-4 b64, CPU: minutes
+    python benchmarks/secure_noise.py --cases tanh-cnn:1024 --steps 20 --device cuda
 """
 
 from __future__ import annotations
@@ -52,13 +54,52 @@ def draw_ms(draw, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure_case(
+    args: argparse.Namespace, model: str, batch_size: int, device: torch.device
+) -> dict:
+    """Step times of both modes per optimizer, and the noise and mask alone, for one case."""
+    data = synthetic_data(batch_size)
+    runs = {
+        (optimizer, mode): build_run(
+            optimizer, args.engine, model, batch_size, data, device, research
+        )
+        for optimizer in args.optimizers
+        for mode, research in MODES.items()
+    }
+    ms = round_robin_medians(runs, args.warmup, args.steps)
+    coordinates = sum(p.numel() for p in next(iter(runs.values())).setup.model.parameters())
+    examples = len(data.train)
+    sources = {"research": SeededRandomness(0, device), "secure": SecureRandomness()}
+    repeats = max(args.steps, 5)
+    noise_ns = {
+        mode: draw_ms(lambda r=r: gaussian_noise(r, 1.0, coordinates, device), device, repeats)
+        * 1e6
+        / coordinates
+        for mode, r in sources.items()
+    }
+    mask_ms = {
+        mode: draw_ms(lambda r=r: r.uniform(examples, device), device, repeats)
+        for mode, r in sources.items()
+    }
+    steps = [
+        {"optimizer": optimizer, "research_ms": ms[(optimizer, "research")],
+         "secure_ms": ms[(optimizer, "secure")],
+         "ratio": ms[(optimizer, "secure")] / ms[(optimizer, "research")]}
+        for optimizer in args.optimizers
+    ]  # fmt: skip
+    return {"model": model, "batch_size": batch_size, "coordinates": coordinates,
+            "examples": examples, "steps": steps, "noise_ns_per_coordinate": noise_ns,
+            "mask_ms": mask_ms}  # fmt: skip
+
+
 def main() -> None:
     preload_jemalloc()
     quiet_known_output()
     configure_process()  # what `dpivon train`, sweep trials and benchmark runs apply
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tanh-cnn")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--cases", nargs="+", default=["tanh-cnn:256", "wrn-16-4:64"], help="model:batch_size"
+    )
     parser.add_argument("--optimizers", nargs="+", default=["dp-ivon-gradsq", "dp-sgd"])
     parser.add_argument("--engine", default="bk")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds")
@@ -71,53 +112,38 @@ def main() -> None:
     console.print(f"allocator: {allocator()} (jemalloc loaded: {jemalloc_loaded()})")
     console.print(f"load average before: {os.getloadavg()}")
 
-    data = synthetic_data(args.batch_size)
-    runs = {
-        (optimizer, mode): build_run(
-            optimizer, args.engine, args.model, args.batch_size, data, device, research
-        )
-        for optimizer in args.optimizers
-        for mode, research in MODES.items()
-    }
-    ms = round_robin_medians(runs, args.warmup, args.steps)
-
-    coordinates = sum(p.numel() for p in next(iter(runs.values())).setup.model.parameters())
-    examples = len(data.train)
-    sources = {"research": SeededRandomness(0, device), "secure": SecureRandomness()}
-    repeats = max(args.steps, 5)
-    noise_ms = {
-        mode: draw_ms(lambda r=r: gaussian_noise(r, 1.0, coordinates, device), device, repeats)
-        for mode, r in sources.items()
-    }
-    mask_ms = {
-        mode: draw_ms(lambda r=r: r.uniform(examples, device), device, repeats)
-        for mode, r in sources.items()
-    }
+    cases = []
+    for case in args.cases:
+        model, batch_size = case.rsplit(":", 1)
+        cases.append(measure_case(args, model, int(batch_size), device))
+        console.print(f"{case} done, load average: {os.getloadavg()}")
 
     table = Table(
-        title=f"{args.model}, batch {args.batch_size}, engine {args.engine}, {device.type}, "
+        title=f"secure / research step, engine {args.engine}, {device.type}, "
         f"{torch.get_num_threads()} threads"
     )
-    for column in ("optimizer", "research ms/step", "secure ms/step", "secure x research"):
-        table.add_column(column, justify="left" if column == "optimizer" else "right")
-    rows = []
-    for optimizer in args.optimizers:
-        research, secure = ms[(optimizer, "research")], ms[(optimizer, "secure")]
-        table.add_row(optimizer, f"{research:.1f}", f"{secure:.1f}", f"{secure / research:.3f}")
-        rows.append(
-            {"optimizer": optimizer, "research_ms": research, "secure_ms": secure,
-             "ratio": secure / research}
-        )  # fmt: skip
+    columns = ("model", "batch", "optimizer", "research ms/step", "secure ms/step",
+               "secure x research")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in columns[:3] else "right")
+    for case in cases:
+        for row in case["steps"]:
+            table.add_row(
+                case["model"], str(case["batch_size"]), row["optimizer"],
+                f"{row['research_ms']:.1f}", f"{row['secure_ms']:.1f}", f"{row['ratio']:.3f}",
+            )  # fmt: skip
     console.print(table)
-    console.print(
-        f"noise alone ({coordinates} coordinates): research {noise_ms['research']:.1f} ms, "
-        f"secure {noise_ms['secure']:.1f} ms; Poisson mask ({examples} examples): research "
-        f"{mask_ms['research']:.2f} ms, secure {mask_ms['secure']:.2f} ms"
-    )
+    for case in cases:
+        noise, mask = case["noise_ns_per_coordinate"], case["mask_ms"]
+        console.print(
+            f"{case['model']}: noise alone ({case['coordinates']} coordinates) research "
+            f"{noise['research']:.1f} ns, secure {noise['secure']:.1f} ns per coordinate; "
+            f"Poisson mask ({case['examples']} examples): research {mask['research']:.2f} ms, "
+            f"secure {mask['secure']:.2f} ms"
+        )
     console.print(f"load average after: {os.getloadavg()}")
     if args.json is not None:
-        figures = {"steps": rows, "noise_ms": noise_ms, "mask_ms": mask_ms,
-                   "coordinates": coordinates, "device": device.type}  # fmt: skip
+        figures = {"cases": cases, "device": device.type, "engine": args.engine}
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
         console.print(f"wrote {args.json}")
 

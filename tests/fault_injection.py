@@ -8,7 +8,9 @@ retry tests need. Production code has no such hook; tests install it.
   epoch's checkpoint goes on, like after a transient crash. With ``{"dp-sgd": KILLED}``
   the worker process of every dp-sgd trial dies while its actor is created, before the
   trial starts (as when the kernel kills it for memory): Tune reports an error for a
-  trial that never started.
+  trial that never started. ``{NOISE_KEY: key.hex()}`` makes the OS entropy source of every
+  trial return that key, and each resumed attempt appends the names in its resume state's
+  randomness state to the file ``{RESUMED_STATES: path}``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 FAULTS_FILE_ENV = "DPIVON_TEST_FAULTS_FILE"
 KILLED = "killed before start"
+NOISE_KEY = "noise key"
+RESUMED_STATES = "resumed states"
 
 
 class InjectedFailure(RuntimeError):
@@ -45,20 +49,29 @@ def install() -> None:
     workers live)."""
     from ray.tune.trainable.function_trainable import FunctionTrainable
 
+    from dpivon.privacy import noise
     from dpivon.search import trial
     from dpivon.search.groups import GROUP_KEY
 
-    real_train, real_setup = trial.train, FunctionTrainable.setup
+    real_train, real_setup, real_key = trial.train, FunctionTrainable.setup, noise.os_key
     faults_file = Path(os.environ[FAULTS_FILE_ENV])
 
     def faults() -> dict:
         return json.loads(faults_file.read_text()) if faults_file.exists() else {}
 
-    def train(config, *, on_epoch_end=None, **kwargs):
+    def os_key() -> bytes:
+        key = faults().get(NOISE_KEY)
+        return real_key() if key is None else bytes.fromhex(key)
+
+    def train(config, *, on_epoch_end=None, resume_state=None, **kwargs):
         epoch = faults().get(config.optimizer.name)
         if isinstance(epoch, int):
             on_epoch_end = fail_after(epoch, on_epoch_end)
-        return real_train(config, on_epoch_end=on_epoch_end, **kwargs)
+        record = faults().get(RESUMED_STATES)
+        if record is not None and resume_state is not None:
+            with open(record, "a") as file:
+                print(json.dumps(sorted(resume_state["rng"]["randomness"])), file=file)
+        return real_train(config, on_epoch_end=on_epoch_end, resume_state=resume_state, **kwargs)
 
     def setup(self, config, *args, **kwargs):  # in the trial actor's creation
         killed = [name for name, fault in faults().items() if fault == KILLED]
@@ -68,6 +81,7 @@ def install() -> None:
 
     trial.train = train
     FunctionTrainable.setup = setup
+    noise.os_key = os_key
 
 
 def trial_faults_runtime_env(faults_file: Path) -> dict:

@@ -16,9 +16,11 @@ import mlflow
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from scipy import stats
 from typer.testing import CliRunner
 
+import dpivon.privacy.noise as noise_module
 from dpivon.cli import app
 from dpivon.config import parse_config
 from dpivon.privacy.noise import (
@@ -60,6 +62,131 @@ def test_secure_uniforms_and_gaussians_pass_ks_on_a_million_draws():
     assert stats.kstest(noise.numpy() / 0.7, "norm").pvalue > 1e-3
     # The control: a KS test of this size sees a 1% error in the std.
     assert stats.kstest(noise.numpy() / 0.7 * 1.01, "norm").pvalue < 1e-3
+
+
+def test_float32_noise_passes_ks_and_its_control_sees_a_1_percent_std_error():
+    """The DP noise of float32 parameters is made in float32 (each draw's radius from 31
+    bits): its statistics on 10^6 coordinates, the draws' too, and independence of
+    neighbouring coordinates and of the Box-Muller pair's two halves."""
+    randomness = SecureRandomness()
+    gaussians = randomness.normal(MILLION, CPU, torch.float32)
+    assert gaussians.dtype == torch.float32
+    assert stats.kstest(gaussians.numpy(), "norm").pvalue > 1e-3
+    cosines, sines = gaussians.double().numpy().reshape(2, -1)
+    assert abs(float(np.corrcoef(cosines, sines)[0, 1])) < 0.005
+    noise = gaussian_noise(randomness, 0.7, MILLION, CPU, torch.float32)
+    assert noise.dtype == torch.float32
+    scaled = noise.double().numpy() / 0.7
+    assert stats.kstest(scaled, "norm").pvalue > 1e-3
+    assert stats.kstest(scaled * 1.01, "norm").pvalue < 1e-3  # the control
+    assert stats.kstest(scaled * 0.99, "norm").pvalue < 1e-3
+    assert abs(float(np.corrcoef(scaled[:-1], scaled[1:])[0, 1])) < 0.005
+    # Half-precision parameters get float32 draws cast to their dtype.
+    assert gaussian_noise(randomness, 0.7, 10, CPU, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_uniforms_are_the_top_53_bits_of_each_draw_s_chacha20_message():
+    """Draw k is the message with nonce k (12 bytes, little-endian), block counter 0."""
+    key = bytes(range(7, 7 + KEY_BYTES))
+    randomness = SecureRandomness(key)
+    for draw in range(3):
+        uniforms = randomness.uniform(1000, CPU)
+        iv = bytes(4) + draw.to_bytes(12, "little")  # cryptography's counter, then nonce
+        stream = Cipher(algorithms.ChaCha20(key, iv), mode=None).encryptor().update(bytes(8000))
+        top = np.frombuffer(stream, dtype="<u8") >> np.uint64(11)
+        assert torch.equal(uniforms, torch.from_numpy(top.astype(np.float64) * 2.0**-53))
+
+
+def draws_of(key: bytes, device: torch.device) -> list[torch.Tensor]:
+    randomness = SecureRandomness(key)
+    return [
+        randomness.uniform(1001, device),
+        randomness.normal(1001, device),
+        randomness.normal(1000, device, torch.float32),
+        gaussian_noise(randomness, 0.3, 999, device, torch.float32),
+    ]
+
+
+def test_the_torch_keystream_draws_what_openssl_draws(monkeypatch):
+    """Off a CPU the keystream is `dpivon.privacy.chacha`'s: made so on the CPU too, every
+    draw is bit-identical to OpenSSL's."""
+    key = bytes(range(50, 50 + KEY_BYTES))
+    expected = draws_of(key, CPU)
+    monkeypatch.setattr(noise_module, "_OPENSSL_DEVICES", frozenset())
+    for ours, theirs in zip(draws_of(key, CPU), expected, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_draws_are_the_cpu_s_stream():
+    """Same key, same uniforms bit for bit on CUDA; the Gaussians agree to the devices'
+    transcendental functions."""
+    key = bytes(range(50, 50 + KEY_BYTES))
+    cuda = draws_of(key, torch.device("cuda"))
+    cpu = draws_of(key, CPU)
+    assert all(draw.device.type == "cuda" for draw in cuda)
+    assert torch.equal(cuda[0].cpu(), cpu[0])
+    for ours, theirs in zip(cuda[1:], cpu[1:], strict=True):
+        torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-5, atol=1e-5)
+
+
+def host_copies(monkeypatch, at_least: int) -> list[str]:
+    """Record every move of a tensor of ``at_least`` elements from the CPU to another
+    device (``Tensor.to`` with a device, ``Tensor.copy_``, ``torch.from_numpy`` of noise)."""
+    moves: list[str] = []
+    to, copy_, from_numpy = torch.Tensor.to, torch.Tensor.copy_, torch.from_numpy
+
+    def recording_to(self, *args, **kwargs):
+        moved = to(self, *args, **kwargs)
+        if self.device.type == "cpu" and moved.device != self.device and self.numel() >= at_least:
+            moves.append(f"to {tuple(self.shape)} -> {moved.device}")
+        return moved
+
+    def recording_copy(self, src, *args, **kwargs):
+        if src.device.type == "cpu" and self.device != src.device and src.numel() >= at_least:
+            moves.append(f"copy_ {tuple(src.shape)} -> {self.device}")
+        return copy_(self, src, *args, **kwargs)
+
+    def recording_from_numpy(array):
+        if array.size >= at_least:
+            moves.append(f"from_numpy {array.shape}")
+        return from_numpy(array)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    monkeypatch.setattr(torch, "from_numpy", recording_from_numpy)
+    return moves
+
+
+def test_secure_noise_and_masks_are_made_on_their_device(monkeypatch):
+    """On a device other than the CPU (here "meta", which runs every kernel without data)
+    nothing of noise size comes from the host, and every working tensor is on the device:
+    the keystream, the uniforms and the Gaussians are made there."""
+    meta, count = torch.device("meta"), 10_000
+    randomness = SecureRandomness()
+    moves = host_copies(monkeypatch, at_least=count // 4)
+    for _ in range(2):  # the second step reuses the first one's working tensors
+        noise = gaussian_noise(randomness, 0.5, count, meta, torch.float32)
+        mask = randomness.uniform(count, meta)
+    assert moves == []
+    assert noise.device == mask.device == meta and noise.shape == (count,)
+    assert {buffer.device for buffer in randomness._buffers.values()} == {meta}
+    assert len(randomness._buffers) == 5  # words of two sizes, radii, angles, the draws
+
+
+def test_one_secure_training_step_moves_no_noise_from_numpy_or_between_devices(
+    one_thread, monkeypatch
+):
+    """One step of a secure CPU run: no tensor of the model's size goes through numpy or
+    ``Tensor.to(device)``, which is how the noise used to reach the device (float64
+    Box-Muller on the host, then ``.to(device, dtype)``)."""
+    config = parse_config({**SMALL, "seed": 3})
+    setup = build_training(config, load_data(config), CPU)
+    n_params = sum(p.numel() for p in setup.model.parameters())
+    x, y = next(iter(setup.loader))
+    moves = host_copies(monkeypatch, at_least=n_params)
+    train_step(setup, x, y, mc_samples=1)
+    assert moves == []
 
 
 def test_the_noise_sums_four_draws_of_the_stream():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +13,13 @@ import pytest
 import ray
 import torch
 import yaml
-from fault_injection import KILLED, injected_faults, trial_faults_runtime_env
+from fault_injection import (
+    KILLED,
+    NOISE_KEY,
+    RESUMED_STATES,
+    injected_faults,
+    trial_faults_runtime_env,
+)
 from optuna.trial import TrialState
 from pareto_reference import brute_force_front
 from ray.tune.experiment import Trial
@@ -385,6 +392,37 @@ def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
     # Resumed from the epoch-1 checkpoint: the accountant kept the first epoch's steps.
     assert 8.0 - 0.05 <= child.data.metrics["epsilon_spent"] <= 8.0
     assert (sweep_folder(pipeline) / "trials.csv").exists()
+
+
+def test_a_resumed_trial_finds_no_noise_key_on_disk_and_draws_a_fresh_one(tmp_path, local_ray):
+    """A secure trial fails after epoch 1 and resumes from that epoch's checkpoint: the
+    resume state held the stream position but no key (the retry keyed its stream afresh),
+    and no file under the sweep's folders, its MLflow store or Ray's session folder holds
+    the key that the trials' OS entropy source returned."""
+    key = os.urandom(32)
+    resumed = tmp_path / "resumed.jsonl"
+    path = write_pipeline(
+        tmp_path,
+        name="no-key",
+        max_failures=1,
+        trials=1,
+        scheduler={"type": "none"},
+        optimizers=[
+            {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")},
+        ],
+    )
+    pipeline = load_pipeline(path)
+    faults = {"dp-sgd": 1, NOISE_KEY: key.hex(), RESUMED_STATES: str(resumed)}
+    with injected_faults(local_ray, faults):
+        trials = run_sweep(pipeline)
+    assert list(trials.status) == [TrialStatus.COMPLETED]
+    assert [json.loads(line) for line in resumed.read_text().splitlines()] == [["draws"]]
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    forms = (key, key.hex().encode(), str(list(key)).encode())
+    for folder in (tmp_path, session):
+        for file in (f for f in folder.rglob("*") if f.is_file()):
+            blob = file.read_bytes()
+            assert not any(form in blob for form in forms), file
 
 
 def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):

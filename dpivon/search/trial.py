@@ -6,7 +6,8 @@ epoch's report carries a checkpoint to resume from; the last one carries the tra
 A trial whose parameters turn NaN or infinite ends with a last report flagged ``DIVERGED``
 (objectives NaN) instead of an error: a retry from its checkpoint would diverge again.
 Every report carries the trial's whole config (``TRIAL_CONFIG``): the driver logs it as the
-run's params rather than building it a second time.
+run's params rather than building it a second time. An epoch's checkpoint holds no noise key
+(`dpivon.training.releasable_state`): a trial resumed from it draws under a fresh key.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.shift import validation_shift_scores
 from dpivon.tracking.checkpoints import save_checkpoint
-from dpivon.training import EpochReport, TrainingDiverged, released_metrics, train
+from dpivon.training import (
+    EpochReport,
+    TrainingDiverged,
+    releasable_state,
+    released_metrics,
+    train,
+)
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
@@ -130,7 +137,9 @@ def run_trial(
         if report.epoch == config.training.epochs:
             return  # the final report below carries the model instead
         with tempfile.TemporaryDirectory() as directory:
-            torch.save(report.checkpoint(), Path(directory) / RESUME_FILE)
+            # Without the noise key: the folder may be copied or committed, and a resumed
+            # trial continues under a fresh key (independent noise is still DP).
+            torch.save(releasable_state(config, report.checkpoint()), Path(directory) / RESUME_FILE)
             tune.report(
                 {**released_metrics(config, report.metrics), COMPLETE: 0, **node},
                 checkpoint=tune.Checkpoint.from_directory(directory),
