@@ -22,12 +22,14 @@ from rich.table import Table
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
 from dpivon.config import (
+    BmaSamples,
     field_info,
     format_validation_error,
     load_configs,
     parse_assignments,
     parse_config,
 )
+from dpivon.constraints import check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.paths import check_writable
@@ -758,6 +760,8 @@ def predict(
     from dpivon.data.images import read_images
     from dpivon.tracking.served_model import load_pyfunc
 
+    if bma_samples is not None:
+        check_bound(BmaSamples, "--bma-samples", bma_samples)
     names, batch = read_images(images)  # bad files fail before the model loads
     model = load_pyfunc(model_uri, tracking_uri)
     params = {"seed": seed, "cifar_normalised": cifar_normalised}
@@ -869,6 +873,8 @@ def evaluate(
         per_class if per_class is not None else base.per_class,
     )
     check_shift_request(shift_set.corruptions, shift_set.severities)
+    if bma_samples is not None:
+        check_bound(BmaSamples, "--bma-samples", bma_samples)
     if json_path is not None:
         check_writable(json_path, "--json")
     config, model, posterior = load_scored_model(model_uri, tracking_uri)

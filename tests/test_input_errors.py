@@ -29,6 +29,7 @@ from dpivon.study.spec import load_benchmark
 
 SPACES = REPO / "search_spaces" / "quickstart"
 SYNTHETIC_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-sgd", "--epochs=1"]
+IVON_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-ivon-gradsq", "--epochs=1"]
 
 
 def invoke(args: list[str], cwd: Path, store: Path):
@@ -145,6 +146,46 @@ REFUSALS = {
                                        "unknown corruption 'fogg'"),
     "evaluate severity 6": (["evaluate", "{file}", "--severity=6"], "from 1 to 5, got 6"),
     "evaluate --json a directory": (["evaluate", "{file}", "--json={tmp}"], "is a directory"),
+    # sizes and counts: bounded where the config validates itself, with what a value costs
+    "train ece_bins 10^12": ([*SYNTHETIC_TRAIN, "--set", "ece_bins=1000000000000"],
+                             "evaluation.ece_bins=1,000,000,000,000 would need 80 TB"),
+    "train ece_bins 10^7": ([*SYNTHETIC_TRAIN, "--set", "evaluation.ece_bins=10000000"],
+                            "at most 10,000"),
+    "train mc_samples 10^8": ([*IVON_TRAIN, "--set", "mc_samples=100000000"],
+                              "optimizer.mc_samples=100,000,000 would run 100,000,000 forward"),
+    "train val_bma_samples 10^9": ([*IVON_TRAIN, "--val-bma-samples=1000000000"],
+                                   "evaluation.val_bma_samples=1,000,000,000 would predict"),
+    "train bma_samples 10^9": ([*IVON_TRAIN, "--bma-samples=1000000000"], "at most 1,000"),
+    "train synthetic_size 10^12": ([*SYNTHETIC_TRAIN, "--set", "synthetic_size=1000000000000"],
+                                   "data.synthetic_size=1,000,000,000,000 would need 15 PB"),
+    "audit synthetic_size 10^12": (["audit", "--optimizer=dp-sgd",
+                                    "--synthetic-size=1000000000000"], "would need 15 PB"),
+    "predict --bma-samples 10^9": (["predict", "runs:/x/model", "{file}",
+                                    "--bma-samples=1000000000"],
+                                   "--bma-samples=1,000,000,000 would predict every image"),
+    "evaluate --bma-samples 10^9": (["evaluate", "{file}", "--bma-samples=1000000000"],
+                                    "at most 1,000"),
+    "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
+                                 "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
+    # a float that is not finite, unless the field says what .inf means (epsilon: no noise)
+    "train weight_decay .inf": ([*SYNTHETIC_TRAIN, "--set", "weight_decay=.inf"],
+                                "weight_decay must be a finite number >= 0, got inf"),
+    "train hess_init .inf": ([*IVON_TRAIN, "--set", "hess_init=.inf"],
+                             "hess_init must be a finite number > 0, got inf"),
+    "train hess_floor .inf": ([*IVON_TRAIN, "--set", "hess_floor=.inf"],
+                              "hess_floor must be a finite number >= 0, got inf"),
+    "train hess_floor .nan": ([*IVON_TRAIN, "--set", "hess_floor=.nan"], "got nan"),
+    "train ess .inf": ([*IVON_TRAIN, "--set", "ess=.inf"], "ess must be a finite number"),
+    "train val_noise_multiplier .inf": ([*SYNTHETIC_TRAIN, "--set", "val_noise_multiplier=.inf"],
+                                        "val_noise_multiplier must be a finite number"),
+    "train second_moment_floor .inf": (["train", "--dataset=synthetic", "--optimizer=dp-adambc",
+                                        "--set", "second_moment_floor=.inf"],
+                                       "second_moment_floor must be a finite number > 0"),
+    "sweep validation_noise .inf": (["sweep", "sweep:validation_noise=.inf"],
+                                    "validation_noise must be a finite number >= 0"),
+    "sweep ASHA reduction_factor .inf": (["sweep", "sweep:scheduler={{type: asha, "
+                                          "reduction_factor: .inf}}"],
+                                         "scheduler.reduction_factor: must be a finite number"),
 }  # fmt: skip
 
 

@@ -98,6 +98,7 @@ from pydantic import (
 )
 
 from dpivon.config import (
+    Epochs,
     TrainConfig,
     TrainingConfig,
     format_validation_error,
@@ -169,7 +170,8 @@ class OptimizerEntry(StrictModel):
 class AshaScheduler(StrictModel):
     type: Literal["asha"]
     grace_period: Annotated[Int, Bound(ge=1)] = 1
-    reduction_factor: Float = Field(2.0, gt=1)
+    # finite: .inf would keep no trial past the first rung
+    reduction_factor: Float = Field(2.0, gt=1, allow_inf_nan=False)
 
 
 class NoScheduler(StrictModel):
@@ -194,7 +196,7 @@ class NoiseFaithful(StrictModel):
     batch_divisor: Annotated[Int, Bound(ge=2, le=1024)]
     # the trials' epochs, each validated (None: the target's): the target's steps in fewer,
     # longer epochs, so that validation does not cost what the smaller batch saved
-    trial_epochs: Annotated[Int, Bound(ge=1)] | None = None
+    trial_epochs: Epochs | None = None
 
 
 class Objective(StrictModel):

@@ -150,7 +150,9 @@ class BenchmarkPipeline(RunFile):
         list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
     ]
     concurrency: Concurrency = 2
-    run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
+    run_timeout_s: Annotated[
+        Float, Bound(gt=0, infinite=True, shown="> 0 (.inf: no limit)")
+    ] = 6 * 3600.0
     # not a TrainConfig key: scoring under shift changes no run's training (or config hash)
     shift: Literal["none", "default", "full"] = "none"
 
