@@ -8,6 +8,7 @@ checkpoints) and receive a `TrainResult`.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,7 @@ from dpivon.metrics import ReliabilityDiagram, json_number, reliability_diagram
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.optim.registry import build_optimizer
+from dpivon.paths import check_regular_file
 from dpivon.privacy.engine import PrivacyPlan, PrivateTraining, make_private, plan_privacy
 from dpivon.privacy.noise import (
     RESEARCH_MODE_WARNING,
@@ -470,9 +472,8 @@ class EpochCheckpoint:
         self.path, self.config = path, config
         self.run_id: str | None = None
         self.state: dict | None = None
-        if path.is_dir():
-            raise DpivonError(f"checkpoint {path} is a directory; name a file")
-        if path.exists():
+        if os.path.lexists(path):  # a FIFO or a symlink loop is refused, not opened
+            check_regular_file(path, "checkpoint")
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as err:  # a truncated or foreign file: say which

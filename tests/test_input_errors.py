@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -215,6 +216,47 @@ def test_a_refusal_comes_first_in_one_line_and_leaves_nothing_behind(tmp_path, c
     assert not (tmp_path / "store.db").exists() and not (tmp_path / "runs").exists()
     assert sorted(p.name for p in work.iterdir()) == []
     assert regular.read_text() == "not a folder\n"
+
+
+# -- special files: refused by what they are, never opened (a FIFO's open blocks) -----------
+
+SPECIAL_FILES = {
+    "FIFO": (os.mkfifo, "is a FIFO (named pipe)"),
+    "directory": (os.mkdir, "is a directory"),
+    "symlink loop": (lambda path: os.symlink(path, path), "Too many levels of symbolic links"),
+}
+# the commands that read a file the user names; {path}: the special file
+FILE_READERS = {
+    "train --config": ["train", "--config={path}"],
+    "train --checkpoint": [*SYNTHETIC_TRAIN, "--checkpoint={path}"],
+    "predict": ["predict", "runs:/x/model", "{path}"],
+    "predict a folder holding it": ["predict", "runs:/x/model", "{folder}"],
+    "evaluate": ["evaluate", "{path}"],
+}
+# a folder is what predict and evaluate take (images, a model folder): no special file there
+_FOLDER_INPUTS = ("predict", "predict a folder holding it", "evaluate")
+
+
+@pytest.mark.timeout(60)  # a blocking open would hang here
+@pytest.mark.parametrize("kind", SPECIAL_FILES)
+@pytest.mark.parametrize("command", FILE_READERS)
+def test_a_special_file_is_refused_by_what_it_is_without_opening_it(tmp_path, command, kind):
+    if kind == "directory" and command in _FOLDER_INPUTS:
+        pytest.skip("a folder is a valid input of this command")
+    make, what = SPECIAL_FILES[kind]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    # a folder's images are found by their suffix; a batch is a .npy file
+    path = folder / ("x.png" if command == "predict a folder holding it" else "x.npy")
+    make(path)
+    args = [a.format(path=path, folder=folder) for a in FILE_READERS[command]]
+    started = time.perf_counter()
+    result = invoke(args, tmp_path, tmp_path / "store.db")
+    line = one_line(result)
+    assert result.exit_code == 2 and what in line and str(path) in line, line
+    assert "not found" not in line, line
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "store.db").exists()
 
 
 # -- strict loading -------------------------------------------------------------------------

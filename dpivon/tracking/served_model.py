@@ -4,6 +4,7 @@ the dpivon code it runs (``dpivon/mlflow_model.py`` is its entry point)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from importlib import metadata
@@ -23,6 +24,7 @@ from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE
 from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
+from dpivon.paths import check_regular_file
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
 from dpivon.privacy.noise import NOISE_TAG, noise_statement
 from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
@@ -177,7 +179,8 @@ def load_scored_model(
     `dpivon.tracking.checkpoints` saves it (a sweep trial's ``model.pt``, committed weights),
     or one line saying why it cannot be loaded."""
     path = Path(model_uri).expanduser()
-    if path.is_file():
+    if os.path.lexists(path) and not path.is_dir():
+        check_regular_file(path, "model file")  # a FIFO or device is refused, not opened
         try:
             return load_checkpoint(path)
         except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
