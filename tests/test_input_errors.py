@@ -33,11 +33,12 @@ SYNTHETIC_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-sgd", "--epoc
 IVON_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-ivon-gradsq", "--epochs=1"]
 
 
-def invoke(args: list[str], cwd: Path, store: Path):
-    """``dpivon ARGS`` in ``cwd`` with its MLflow store at ``store``."""
+def invoke(args: list[str], cwd: Path, store: Path, env: dict[str, str] | None = None):
+    """``dpivon ARGS`` in ``cwd`` with its MLflow store at ``store`` (and ``env`` set)."""
     with contextlib.chdir(cwd):
         return CliRunner().invoke(app, [str(a) for a in args],
-                                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})  # fmt: skip
+                                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}",
+                                       **(env or {})})  # fmt: skip
 
 
 def one_line(result) -> str:
@@ -257,6 +258,17 @@ def test_a_special_file_is_refused_by_what_it_is_without_opening_it(tmp_path, co
     assert "not found" not in line, line
     assert time.perf_counter() - started < 5
     assert not (tmp_path / "store.db").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf"])
+def test_a_bad_environment_variable_is_named_before_the_sweep_starts(tmp_path, value):
+    started = time.perf_counter()
+    result = invoke(["sweep", _sweep(tmp_path)], tmp_path, tmp_path / "store.db",
+                    env={"DPIVON_TRACKING_WAIT_S": value})  # fmt: skip
+    line = one_line(result)
+    assert result.exit_code == 2 and "DPIVON_TRACKING_WAIT_S" in line and value in line, line
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "store.db").exists() and not (tmp_path / "runs").exists()
 
 
 # -- strict loading -------------------------------------------------------------------------
