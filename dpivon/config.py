@@ -16,6 +16,7 @@ import difflib
 import math
 import re
 import typing
+import unicodedata
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -374,10 +375,24 @@ def config_key(name: str) -> str:
         for flat, location in FLAT_KEYS.items():
             if location == (section, field_name):
                 return flat
-    paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
-    close = difflib.get_close_matches(name, paths, n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ValueError(f"{name!r} is not a TrainConfig field{hint}")
+    raise ValueError(f"{name!r} is not a TrainConfig field{_unknown_key_hint(name)}")
+
+
+def _unknown_key_hint(name: str, suggest: bool = True) -> str:
+    """What an unknown key may have meant: the closest TrainConfig keys (``suggest``) and
+    any character that only looks like an ASCII one (a Cyrillic e, U+0435, in "epsilon")."""
+    notes = []
+    if suggest:
+        paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
+        if close := difflib.get_close_matches(name, paths, n=3):
+            notes.append(f"did you mean {', '.join(close)}?")
+    foreign = dict.fromkeys(c for c in name if not c.isascii())
+    if foreign:
+        shown = ", ".join(
+            f"{c!r} is U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in foreign
+        )
+        notes.append(f"{shown}, not an ASCII letter")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def field_info(key: str) -> tuple[str, FieldInfo]:
@@ -624,6 +639,8 @@ def format_validation_error(err: ValidationError) -> str:
         # `optimizer.function-after[...].lr`
         loc = [str(x) for x in e["loc"] if not str(x).startswith(("function-", "tagged-union"))]
         message = _our_wording(e)
+        if e["type"] == "extra_forbidden" and loc:  # TrainConfig's keys are known here
+            message += _unknown_key_hint(".".join(loc), suggest=err.title == "TrainConfig")
         if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
             message = (
                 f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "

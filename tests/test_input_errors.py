@@ -296,6 +296,20 @@ def test_a_duplicate_key_is_refused_with_its_line(tmp_path):
     assert [c.optimizer.lr for c in load_configs(path)] == [0.1, 0.2]
 
 
+LOOK_ALIKE = "\u0435psilon"  # "epsilon" with a Cyrillic e
+
+
+@pytest.mark.parametrize("text", [f"{LOOK_ALIKE}: 2.0", f"privacy: {{{LOOK_ALIKE}: 2.0}}"])
+def test_a_key_with_a_look_alike_character_says_which_and_what_was_meant(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"optimizer: dp-sgd\n{text}\n", encoding="utf-8")
+    message = _refused(load_configs, path, "unknown key", "did you mean ", "epsilon")
+    assert "'\u0435' is U+0435 CYRILLIC SMALL LETTER IE, not an ASCII letter" in message
+    result = invoke([*SYNTHETIC_TRAIN, "--set", f"{LOOK_ALIKE}=2"], tmp_path, tmp_path / "s.db")
+    line = one_line(result)
+    assert result.exit_code == 2 and "did you mean epsilon?" in line and "U+0435" in line, line
+
+
 def test_a_file_too_large_is_refused_before_it_is_parsed(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_bytes(b"lr: 0.1\n" + b"# padding\n" * (MAX_INPUT_BYTES // 10 + 1))
