@@ -32,6 +32,7 @@ from dpivon.config import (
 from dpivon.constraints import check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
 from dpivon.paths import check_writable
 from dpivon.process import configure_process, preload_jemalloc
 
@@ -118,6 +119,23 @@ def user_errors(command: Callable) -> Callable:
         except Exception as err:
             report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
             raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def stops_on_signals(command: Callable) -> Callable:
+    """SIGTERM stops the command as Ctrl-C does: a run in progress ends KILLED (never left
+    RUNNING, `Tracker.run`), one line, and the shell's exit code (130 SIGINT, 143 SIGTERM)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            with signals_interrupt():
+                return command(*args, **kwargs)
+        except Interrupted as stop:
+            console.print(f"dpivon {command.__name__} {stop}: a run in progress ended KILLED",
+                          highlight=False)  # fmt: skip
+            raise typer.Exit(stop.exit_code) from None
 
     return wrapper
 
@@ -268,6 +286,7 @@ TRAIN_FLAGS = (
 
 
 @app.command()
+@stops_on_signals
 @user_errors
 @config_flags(*TRAIN_FLAGS)
 def train(
