@@ -29,7 +29,7 @@ from dpivon.config import (
     parse_assignments,
     parse_config,
 )
-from dpivon.constraints import check_bound
+from dpivon.constraints import Seed, check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
@@ -781,6 +781,7 @@ def predict(
 
     if bma_samples is not None:
         check_bound(BmaSamples, "--bma-samples", bma_samples)
+    check_bound(Seed, "--seed", seed)
     names, batch = read_images(images)  # bad files fail before the model loads
     model = load_pyfunc(model_uri, tracking_uri)
     params = {"seed": seed, "cifar_normalised": cifar_normalised}
@@ -894,6 +895,7 @@ def evaluate(
     check_shift_request(shift_set.corruptions, shift_set.severities)
     if bma_samples is not None:
         check_bound(BmaSamples, "--bma-samples", bma_samples)
+    check_bound(Seed, "--seed", seed)
     if json_path is not None:
         check_writable(json_path, "--json")
     config, model, posterior = load_scored_model(model_uri, tracking_uri)

@@ -43,6 +43,7 @@ from dpivon.constraints import (
     Int,
     NonNegativeFloat,
     Probability,
+    Seed,
     size_text,
 )
 from dpivon.errors import DpivonError
@@ -136,7 +137,7 @@ class DataConfig(Section):
             why=f"{size_text(MAX_SYNTHETIC_IMAGES * _IMAGE_BYTES)}",
         ),
     ] = 2000
-    data_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] | None = None
+    data_seed: Seed | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -296,7 +297,7 @@ class EvaluationConfig(Section):
 
 class RuntimeConfig(Section):
     # initialisation and posterior draws; in research mode also the DP noise and sampling
-    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    seed: Seed = 0
     device: str = "auto"
 
     @field_validator("device")

@@ -121,6 +121,8 @@ NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]
 Count = Annotated[StrictInt, Bound(ge=1)]
+# A random seed: numpy's and torch's generators take 32 bits (a larger one overflows there)
+Seed = Annotated[StrictInt, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")]
 # A privacy budget: > 0, inf meaning no noise (a non-private run). Every epsilon field and
 # list is of this type; a budget that must be spent (a sweep's total) is `FiniteEpsilon`.
 Epsilon = Annotated[StrictFloat, Bound(gt=0, infinite=True, shown="> 0 (.inf: no noise)")]

@@ -147,6 +147,8 @@ REFUSALS = {
     "evaluate an unknown corruption": (["evaluate", "{file}", "--corruption=fogg"],
                                        "unknown corruption 'fogg'"),
     "evaluate severity 6": (["evaluate", "{file}", "--severity=6"], "from 1 to 5, got 6"),
+    "evaluate a file that is no model": (["evaluate", "{file}"],
+                                         "it is no model file that dpivon saves"),
     "evaluate --json a directory": (["evaluate", "{file}", "--json={tmp}"], "is a directory"),
     # sizes and counts: bounded where the config validates itself, with what a value costs
     "train ece_bins 10^12": ([*SYNTHETIC_TRAIN, "--set", "ece_bins=1000000000000"],
@@ -167,6 +169,10 @@ REFUSALS = {
                                    "--bma-samples=1,000,000,000 would predict every image"),
     "evaluate --bma-samples 10^9": (["evaluate", "{file}", "--bma-samples=1000000000"],
                                     "at most 1,000"),
+    "predict --seed 2^70": (["predict", "runs:/x/model", "{file}", f"--seed={2**70}"],
+                            "--seed must be in [0, 2**32)"),
+    "evaluate --seed 2^70": (["evaluate", "{file}", f"--seed={2**70}"],
+                             "--seed must be in [0, 2**32)"),
     "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
                                  "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
     # a float that is not finite, unless the field says what .inf means (epsilon: no noise)

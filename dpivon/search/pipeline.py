@@ -104,7 +104,7 @@ from dpivon.config import (
     format_validation_error,
     parse_config,
 )
-from dpivon.constraints import Bound, FiniteEpsilon, Float, Int
+from dpivon.constraints import Bound, FiniteEpsilon, Float, Int, Seed
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.orchestration.run_file import (
@@ -244,7 +244,7 @@ class Pipeline(RunFile):
         ]
     )
     sampler: Literal[tuple(OPTUNA_SAMPLERS)] = "tpe"
-    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    seed: Seed = 0
     # private trials at batch B / k with the target's steps and sigma / B (TAN)
     noise_faithful: NoiseFaithful | None = None
     max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import mlflow
@@ -183,6 +184,11 @@ def load_scored_model(
         check_regular_file(path, "model file")  # a FIFO or device is refused, not opened
         try:
             return load_checkpoint(path)
+        except UnpicklingError:  # torch's own message is a paragraph on weights_only
+            raise DpivonError(
+                f"cannot load the model file {model_uri}: it is no model file that dpivon "
+                "saves (a weights-only load refused it: other objects, or code to run)"
+            ) from None
         except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
             raise DpivonError(f"cannot load the model file {model_uri}: {err}") from None
     if ":/" not in model_uri and not path.exists():
