@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import reprlib
 import typing
 import unicodedata
 from collections.abc import Hashable, Mapping
@@ -691,6 +692,13 @@ def _our_wording(error: Any) -> str:
     return shown() if shown else error["msg"].removeprefix("Value error, ")
 
 
+# A value's repr cut short while it is made: a YAML alias bomb is a few lines that expand to
+# millions of items, whose whole repr takes seconds before the first 80 characters are kept.
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 4, 80, 80
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = 10
+
+
 def _shown_value(value: Any) -> str:
-    text = repr(value)
+    text = _SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from pathlib import Path
@@ -314,6 +315,20 @@ def test_a_key_with_a_look_alike_character_says_which_and_what_was_meant(tmp_pat
     result = invoke([*SYNTHETIC_TRAIN, "--set", f"{LOOK_ALIKE}=2"], tmp_path, tmp_path / "s.db")
     line = one_line(result)
     assert result.exit_code == 2 and "did you mean epsilon?" in line and "U+0435" in line, line
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    """A few lines whose aliases expand to 16 million numbers: the message shows the value
+    cut short, without first writing all of it out (that took 5-10 s)."""
+    bomb = "[&a [1,1,1,1,1,1,1,1], " + ", ".join(
+        f"&{b} [{', '.join([f'*{a}'] * 8)}]" for a, b in itertools.pairwise("abcdefgh")
+    ) + "]"
+    path = tmp_path / "c.yaml"
+    for text in (f"lr: {bomb}", f"x: {bomb}"):  # a wrong value, an unknown key
+        path.write_text(f"optimizer: dp-sgd\n{text}\n")
+        started = time.process_time()
+        _refused(load_configs, path)
+        assert time.process_time() - started < 1
 
 
 def test_a_file_too_large_is_refused_before_it_is_parsed(tmp_path):
