@@ -644,8 +644,11 @@ def format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden" and loc:  # TrainConfig's keys are known here
             message += _unknown_key_hint(".".join(loc), suggest=err.title == "TrainConfig")
         if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
+            name = loc[-1] if loc else "the value"
+            if name.isdigit() and len(loc) > 1:  # a list's item: "epsilons.0", not "0"
+                name, loc = ".".join(loc[-2:]), loc[:-2]
             message = (
-                f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "
+                f"{name} takes no boolean, got {e['input']!r} (YAML "
                 "reads yes/no/on/off as booleans; write the value itself)"
             )
         if loc and message.startswith(f"{loc[-1]}="):  # "ece_bins=10 would ...": its path

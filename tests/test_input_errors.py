@@ -174,6 +174,8 @@ REFUSALS = {
                             "--seed must be in [0, 2**32)"),
     "evaluate --seed 2^70": (["evaluate", "{file}", f"--seed={2**70}"],
                              "--seed must be in [0, 2**32)"),
+    "sweep epsilons [yes]": (["sweep", "sweep:epsilons=[8.0, yes]"],
+                             "epsilons.1 takes no boolean, got True"),
     "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
                                  "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
     # a float that is not finite, unless the field says what .inf means (epsilon: no noise)
