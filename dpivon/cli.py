@@ -260,11 +260,14 @@ NOT_COVERED_NOTE = (
 )
 
 
-def check_outputs(json_path: Path | None, experiment: str) -> None:
+def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:
     """Outputs that would fail only after a long run fail now: an unwritable --json path,
-    an empty experiment name."""
+    an empty experiment name, a SQLite store that cannot be written."""
+    from dpivon.tracking.client import check_sqlite_store, resolve_tracking_uri
+
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
+    check_sqlite_store(resolve_tracking_uri(tracking_uri))
     if json_path is not None:
         check_writable(json_path, "--json")
 
@@ -343,7 +346,7 @@ def train(
         if config is not None
         else [parse_config(overrides, source="options")]
     )
-    check_outputs(json_path, experiment)
+    check_outputs(json_path, experiment, tracking_uri)
     shift_set = shift_set_named(shift) if shift is not None else None
     for cfg in configs:  # before any data is read: an epsilon no noise can reach
         if cfg.is_private:
@@ -709,7 +712,7 @@ def audit(
     check_canaries(cfg, canaries)
     check_plan_reachable(cfg)
     resolve_device(cfg.runtime.device)
-    check_outputs(json_path, experiment)
+    check_outputs(json_path, experiment, tracking_uri)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     name = f"audit-{optimizer}-eps{cfg.privacy.epsilon:g}"

@@ -176,6 +176,10 @@ REFUSALS = {
                              "--seed must be in [0, 2**32)"),
     "sweep epsilons [yes]": (["sweep", "sweep:epsilons=[8.0, yes]"],
                              "epsilons.1 takes no boolean, got True"),
+    "train --tracking-uri in /proc": ([*SYNTHETIC_TRAIN, "--tracking-uri=sqlite:////proc/m.db"],
+                                      "/proc/m.db cannot be written"),
+    "train --tracking-uri a directory": ([*SYNTHETIC_TRAIN, "--tracking-uri=sqlite:///{tmp}"],
+                                         "is a directory, not a regular file"),
     "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
                                  "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
     # a float that is not finite, unless the field says what .inf means (epsilon: no noise)
