@@ -128,7 +128,7 @@ def stops_on_signals(command: Callable) -> Callable:
     RUNNING, `Tracker.run`), one line, and the shell's exit code (130 SIGINT, 143 SIGTERM)."""
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             with signals_interrupt():
                 return command(*args, **kwargs)

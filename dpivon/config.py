@@ -135,7 +135,7 @@ class DataConfig(Section):
             ge=CIFAR10_CLASSES,
             le=MAX_SYNTHETIC_IMAGES,
             cost=lambda n: f"need {size_text(n * _IMAGE_BYTES)} of images in memory",
-            why=f"{size_text(MAX_SYNTHETIC_IMAGES * _IMAGE_BYTES)}",
+            why=size_text(MAX_SYNTHETIC_IMAGES * _IMAGE_BYTES),
         ),
     ] = 2000
     data_seed: Seed | None = None

@@ -1,8 +1,8 @@
 """Files the user names, checked before anything is read, opened or written.
 
 An input file must be a regular file (`check_regular_file`: never a FIFO or device, whose
-open would block) of at most :data:`MAX_INPUT_BYTES` (a config is a few
-KB; a bigger one is a mistake, and parsing it would take minutes). An output path must be
+open would block) of at most :data:`MAX_INPUT_BYTES` (a config is a few KB; a bigger one
+is a mistake, and parsing it would take minutes). An output path must be
 writable: not a directory, not under a regular file, in a folder we may write to; checked
 without leaving anything behind (a probe file in the nearest existing folder is removed at
 once), so a refusal leaves the disk as it was.
