@@ -22,14 +22,17 @@ from rich.table import Table
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
 from dpivon.config import (
+    BmaSamples,
     field_info,
     format_validation_error,
     load_configs,
     parse_assignments,
     parse_config,
 )
+from dpivon.constraints import Seed, check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
+from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
 from dpivon.paths import check_writable
 from dpivon.process import configure_process, preload_jemalloc
 
@@ -116,6 +119,23 @@ def user_errors(command: Callable) -> Callable:
         except Exception as err:
             report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
             raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def stops_on_signals(command: Callable) -> Callable:
+    """SIGTERM stops the command as Ctrl-C does: a run in progress ends KILLED (never left
+    RUNNING, `Tracker.run`), one line, and the shell's exit code (130 SIGINT, 143 SIGTERM)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with signals_interrupt():
+                return command(*args, **kwargs)
+        except Interrupted as stop:
+            console.print(f"dpivon {command.__name__} {stop}: a run in progress ended KILLED",
+                          highlight=False)  # fmt: skip
+            raise typer.Exit(stop.exit_code) from None
 
     return wrapper
 
@@ -240,11 +260,14 @@ NOT_COVERED_NOTE = (
 )
 
 
-def check_outputs(json_path: Path | None, experiment: str) -> None:
+def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:
     """Outputs that would fail only after a long run fail now: an unwritable --json path,
-    an empty experiment name."""
+    an empty experiment name, a SQLite store that cannot be written."""
+    from dpivon.tracking.client import check_sqlite_store, resolve_tracking_uri
+
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
+    check_sqlite_store(resolve_tracking_uri(tracking_uri))
     if json_path is not None:
         check_writable(json_path, "--json")
 
@@ -266,6 +289,7 @@ TRAIN_FLAGS = (
 
 
 @app.command()
+@stops_on_signals
 @user_errors
 @config_flags(*TRAIN_FLAGS)
 def train(
@@ -322,7 +346,7 @@ def train(
         if config is not None
         else [parse_config(overrides, source="options")]
     )
-    check_outputs(json_path, experiment)
+    check_outputs(json_path, experiment, tracking_uri)
     shift_set = shift_set_named(shift) if shift is not None else None
     for cfg in configs:  # before any data is read: an epsilon no noise can reach
         if cfg.is_private:
@@ -688,7 +712,7 @@ def audit(
     check_canaries(cfg, canaries)
     check_plan_reachable(cfg)
     resolve_device(cfg.runtime.device)
-    check_outputs(json_path, experiment)
+    check_outputs(json_path, experiment, tracking_uri)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     name = f"audit-{optimizer}-eps{cfg.privacy.epsilon:g}"
@@ -758,6 +782,9 @@ def predict(
     from dpivon.data.images import read_images
     from dpivon.tracking.served_model import load_pyfunc
 
+    if bma_samples is not None:
+        check_bound(BmaSamples, "--bma-samples", bma_samples)
+    check_bound(Seed, "--seed", seed)
     names, batch = read_images(images)  # bad files fail before the model loads
     model = load_pyfunc(model_uri, tracking_uri)
     params = {"seed": seed, "cifar_normalised": cifar_normalised}
@@ -869,6 +896,9 @@ def evaluate(
         per_class if per_class is not None else base.per_class,
     )
     check_shift_request(shift_set.corruptions, shift_set.severities)
+    if bma_samples is not None:
+        check_bound(BmaSamples, "--bma-samples", bma_samples)
+    check_bound(Seed, "--seed", seed)
     if json_path is not None:
         check_writable(json_path, "--json")
     config, model, posterior = load_scored_model(model_uri, tracking_uri)

@@ -15,13 +15,16 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import reprlib
 import typing
+import unicodedata
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     SerializeAsAny,
@@ -41,6 +44,8 @@ from dpivon.constraints import (
     Int,
     NonNegativeFloat,
     Probability,
+    Seed,
+    size_text,
 )
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import (
@@ -59,8 +64,10 @@ __all__ = [  # the optimizer names are the registry's, re-exported for config us
     "PRIVATE_OPTIMIZERS",
     "SECTIONS",
     "AccountantName",
+    "BmaSamples",
     "DatasetName",
     "EngineName",
+    "Epochs",
     "OneBackwardEngine",
     "PerSampleEngine",
     "TrainConfig",
@@ -77,6 +84,15 @@ __all__ = [  # the optimizer names are the registry's, re-exported for config us
 
 CIFAR10_TRAIN_IMAGES = 50_000
 NUM_CLASSES = 10
+# Upper bounds of the counts a run's memory or time grows with, each stated with its cost.
+# A synthetic image is held as uint8 (3,072 bytes) and as a float32 tensor (12,288 bytes).
+_IMAGE_BYTES = 3 * 32 * 32 * (1 + 4)
+MAX_SYNTHETIC_IMAGES = 1_000_000  # 15 GB: twenty CIFAR-10 training sets
+# A reliability diagram holds about ten float64 arrays of n_bins (counts, sums, means, edges)
+_BIN_BYTES = 80
+MAX_ECE_BINS = 10_000
+# Posterior draws of a BMA prediction: each one a pass over the predicted images
+MAX_BMA_SAMPLES = 1_000
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
 # The choice lists a config names; the code that implements each choice takes its list from
@@ -113,8 +129,16 @@ class DataConfig(Section):
     data_path: str | None = None  # CIFAR-10 tarball or folder; None: $DPIVON_DATA, the cache
     val_size: Count  # default: 5000 for cifar10, a tenth of synthetic_size
     per_class: Count | None = None  # a class-balanced subset of the training images
-    synthetic_size: Annotated[Int, Bound(ge=NUM_CLASSES)] = 2000
-    data_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] | None = None
+    synthetic_size: Annotated[
+        Int,
+        Bound(
+            ge=NUM_CLASSES,
+            le=MAX_SYNTHETIC_IMAGES,
+            cost=lambda n: f"need {size_text(n * _IMAGE_BYTES)} of images in memory",
+            why=size_text(MAX_SYNTHETIC_IMAGES * _IMAGE_BYTES),
+        ),
+    ] = 2000
+    data_seed: Seed | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -168,9 +192,12 @@ class ModelConfig(Section):
         return name
 
 
+# bounded: the noise calibration searches over epochs * steps per epoch
+Epochs = Annotated[Int, Bound(ge=1, le=100_000)]
+
+
 class TrainingConfig(Section):
-    # bounded: the noise calibration searches over epochs * steps per epoch
-    epochs: Annotated[Int, Bound(ge=1, le=100_000)] = 10
+    epochs: Epochs = 10
     batch_size: Count = 256  # expected batch size b of Poisson sampling (private runs)
     # Poisson batches per epoch of a private run; None: ceil(N / b), one pass in expectation.
     # Set it to hold a published run's step count (Tramer & Boneh: 48 = floor(50,000 / 1,024))
@@ -231,13 +258,36 @@ class PrivacyConfig(Section):
         return self
 
 
+def _draws(what: str, when: str = "") -> AfterValidator:
+    return Bound(
+        ge=0,
+        le=MAX_BMA_SAMPLES,
+        cost=lambda n: f"predict {what} {n:,} times{when}",
+        why="the BMA's estimate settles within a few dozen draws",
+    )
+
+
+# Posterior draws of a BMA prediction (0: the posterior mean); `predict` and `evaluate`
+# check their --bma-samples against it too.
+BmaSamples = Annotated[Int, _draws("every image")]
+EceBins = Annotated[
+    Int,
+    Bound(
+        ge=1,
+        le=MAX_ECE_BINS,
+        cost=lambda n: f"need {size_text(n * _BIN_BYTES)} per reliability diagram",
+        why="more bins than the validation images leave most of them empty",
+    ),
+]
+
+
 class EvaluationConfig(Section):
     # posterior draws of IVON's BMA: the final test and the logged model
-    bma_samples: Annotated[Int, Bound(ge=0)] = 16
+    bma_samples: Annotated[Int, _draws("the test set")] = 16
     # the per-epoch validation (what the sweep's objectives and ASHA read); few draws: the
     # validation ECE stayed within 0.01 of 16 draws (benchmarks/RESULTS.md)
-    val_bma_samples: Annotated[Int, Bound(ge=0)] = 4
-    ece_bins: Count = 15
+    val_bma_samples: Annotated[Int, _draws("the validation set", " every epoch")] = 4
+    ece_bins: EceBins = 15
     # > 0: release only Gaussian-noised validation accuracy and ECE (DP for the validation
     # records that steer selection); 0: exact scores, validation records unprotected.
     val_noise_multiplier: NonNegativeFloat = 0.0
@@ -248,7 +298,7 @@ class EvaluationConfig(Section):
 
 class RuntimeConfig(Section):
     # initialisation and posterior draws; in research mode also the DP noise and sampling
-    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    seed: Seed = 0
     device: str = "auto"
 
     @field_validator("device")
@@ -327,10 +377,24 @@ def config_key(name: str) -> str:
         for flat, location in FLAT_KEYS.items():
             if location == (section, field_name):
                 return flat
-    paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
-    close = difflib.get_close_matches(name, paths, n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ValueError(f"{name!r} is not a TrainConfig field{hint}")
+    raise ValueError(f"{name!r} is not a TrainConfig field{_unknown_key_hint(name)}")
+
+
+def _unknown_key_hint(name: str, suggest: bool = True) -> str:
+    """What an unknown key may have meant: the closest TrainConfig keys (``suggest``) and
+    any character that only looks like an ASCII one (a Cyrillic e, U+0435, in "epsilon")."""
+    notes = []
+    if suggest:
+        paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
+        if close := difflib.get_close_matches(name, paths, n=3):
+            notes.append(f"did you mean {', '.join(close)}?")
+    foreign = dict.fromkeys(c for c in name if not c.isascii())
+    if foreign:
+        shown = ", ".join(
+            f"{c!r} is U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in foreign
+        )
+        notes.append(f"{shown}, not an ASCII letter")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def field_info(key: str) -> tuple[str, FieldInfo]:
@@ -577,11 +641,18 @@ def format_validation_error(err: ValidationError) -> str:
         # `optimizer.function-after[...].lr`
         loc = [str(x) for x in e["loc"] if not str(x).startswith(("function-", "tagged-union"))]
         message = _our_wording(e)
+        if e["type"] == "extra_forbidden" and loc:  # TrainConfig's keys are known here
+            message += _unknown_key_hint(".".join(loc), suggest=err.title == "TrainConfig")
         if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
+            name = loc[-1] if loc else "the value"
+            if name.isdigit() and len(loc) > 1:  # a list's item: "epsilons.0", not "0"
+                name, loc = ".".join(loc[-2:]), loc[:-2]
             message = (
-                f"{loc[-1] if loc else 'the value'} takes no boolean, got {e['input']!r} (YAML "
+                f"{name} takes no boolean, got {e['input']!r} (YAML "
                 "reads yes/no/on/off as booleans; write the value itself)"
             )
+        if loc and message.startswith(f"{loc[-1]}="):  # "ece_bins=10 would ...": its path
+            message, loc = ".".join([*loc[:-1], message]), []
         if loc and message.startswith(f"{loc[-1]} "):
             loc = []  # the message names the field itself ("lr must be > 0, got 0")
         where = ".".join(loc)
@@ -624,6 +695,13 @@ def _our_wording(error: Any) -> str:
     return shown() if shown else error["msg"].removeprefix("Value error, ")
 
 
+# A value's repr cut short while it is made: a YAML alias bomb is a few lines that expand to
+# millions of items, whose whole repr takes seconds before the first 80 characters are kept.
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 4, 80, 80
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = 10
+
+
 def _shown_value(value: Any) -> str:
-    text = repr(value)
+    text = _SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -5,11 +5,18 @@ names the field and the whole interval (``beta2 must be in [0, 1), got 1.5``), w
 pydantic's own ``Field(gt=...)`` messages ("Input should be greater than 0") do not.
 `check_bound` applies a type's interval to a plain argument (a function that takes no
 config), with the same rule and message.
+
+A float must be finite unless its interval says what infinity means (``infinite=True``:
+an epsilon of .inf is no noise): .inf or .nan elsewhere (a weight decay, a floor) would
+train to NaN metrics instead of failing. An upper bound on a count may state what a value
+costs (``cost``), so that the message says why it is refused: "ece_bins=10^12 would need
+80 TB per reliability diagram; at most 10,000".
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -26,6 +33,8 @@ class _Interval:
     le: float | None = None
     shown: str | None = None  # the interval as the message shows it, e.g. "[0, 2**32)"
     why: str | None = None  # why the bound is there, for the message
+    infinite: bool = False  # +-inf is a value with a meaning (the interval decides its sign)
+    cost: Callable[[Any], str] | None = None  # what a value above the bound would take
 
     def text(self) -> str:
         if self.shown is not None:
@@ -41,8 +50,14 @@ class _Interval:
         return f"in {opening}{low:g}, {high:g}{closing}"
 
     def holds(self, value: float) -> bool:
-        if isinstance(value, float) and math.isnan(value):
+        if isinstance(value, float) and not self._finite_or_meant(value):
             return False
+        return self._within(value)
+
+    def _finite_or_meant(self, value: float) -> bool:
+        return math.isfinite(value) or (self.infinite and not math.isnan(value))
+
+    def _within(self, value: float) -> bool:
         return not (
             (self.gt is not None and not value > self.gt)
             or (self.ge is not None and not value >= self.ge)
@@ -51,9 +66,16 @@ class _Interval:
         )
 
     def check(self, name: str | None, value: Any) -> None:
-        if value is not None and not self.holds(value):
-            why = f" ({self.why})" if self.why else ""
-            raise DpivonError(f"{name} must be {self.text()}{why}, got {value!r}")
+        if value is None or self.holds(value):
+            return
+        why = f" ({self.why})" if self.why else ""
+        high = self.lt if self.lt is not None else self.le
+        if self.cost is not None and high is not None and self._within(high) and value > high:
+            raise DpivonError(f"{name}={value:,} would {self.cost(value)}; at most {high:,}{why}")
+        rule = self.text()
+        if isinstance(value, float) and not math.isfinite(value) and not rule.startswith("finite"):
+            rule = f"a finite number {rule}"  # inf passes ">= 0" as the reader sees it
+        raise DpivonError(f"{name} must be {rule}{why}, got {value!r}")
 
     def __call__(self, value: Any, info: ValidationInfo) -> Any:
         self.check(info.field_name, value)
@@ -68,10 +90,23 @@ def Bound(
     le: float | None = None,
     shown: str | None = None,
     why: str | None = None,
+    infinite: bool = False,
+    cost: Callable[[Any], str] | None = None,
 ) -> AfterValidator:
     """A field's interval; None passes (an unset option that takes a default). ``why``
-    says in the message what an upper bound protects."""
-    return AfterValidator(_Interval(gt, ge, lt, le, shown, why))
+    says in the message what an upper bound protects, ``cost`` what a value above it would
+    take ("need 80 TB"); ``infinite``: .inf is a value of the field (else it is refused)."""
+    return AfterValidator(_Interval(gt, ge, lt, le, shown, why, infinite, cost))
+
+
+def size_text(size: float) -> str:
+    """A byte count as people write it: ``size_text(8e12)`` is "8 TB"."""
+    units = ("bytes", "KB", "MB", "GB", "TB", "PB")
+    for unit in units[:-1]:
+        if size < 1000:
+            return f"{size:,.0f} {unit}"
+        size /= 1000
+    return f"{size:,.0f} {units[-1]}"
 
 
 # Strict types: YAML reads `yes` as True and pydantic would take it for the number 1.
@@ -86,9 +121,11 @@ NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]
 Count = Annotated[StrictInt, Bound(ge=1)]
+# A random seed: numpy's and torch's generators take 32 bits (a larger one overflows there)
+Seed = Annotated[StrictInt, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")]
 # A privacy budget: > 0, inf meaning no noise (a non-private run). Every epsilon field and
 # list is of this type; a budget that must be spent (a sweep's total) is `FiniteEpsilon`.
-Epsilon = Annotated[StrictFloat, Bound(gt=0, shown="> 0 (.inf: no noise)")]
+Epsilon = Annotated[StrictFloat, Bound(gt=0, infinite=True, shown="> 0 (.inf: no noise)")]
 FiniteEpsilon = FinitePositiveFloat
 
 

@@ -1,7 +1,8 @@
 """Files the user names, checked before anything is read, opened or written.
 
-An input file must be a regular file of at most :data:`MAX_INPUT_BYTES` (a config is a few
-KB; a bigger one is a mistake, and parsing it would take minutes). An output path must be
+An input file must be a regular file (`check_regular_file`: never a FIFO or device, whose
+open would block) of at most :data:`MAX_INPUT_BYTES` (a config is a few KB; a bigger one
+is a mistake, and parsing it would take minutes). An output path must be
 writable: not a directory, not under a regular file, in a folder we may write to; checked
 without leaving anything behind (a probe file in the nearest existing folder is removed at
 once), so a refusal leaves the disk as it was.
@@ -9,6 +10,7 @@ once), so a refusal leaves the disk as it was.
 
 from __future__ import annotations
 
+import os
 import stat
 import tempfile
 from pathlib import Path
@@ -37,16 +39,23 @@ def _probe(folder: Path) -> None:
         pass
 
 
-def check_input_file(path: Path, what: str = "file") -> None:
-    """``path`` is a regular file small enough to parse; else one DpivonError line."""
+def check_regular_file(path: Path, what: str = "file") -> os.stat_result:
+    """``path`` is a regular file, else one DpivonError line saying what it is. Only stat
+    is called: opening a FIFO (or a tty, a device) would block until a writer comes."""
     try:
-        info = path.stat()
+        info = Path(path).stat()
     except FileNotFoundError:
         raise DpivonError(f"{what} not found: {path}") from None
-    except OSError as err:
+    except OSError as err:  # a symlink loop, no permission, a name too long
         raise DpivonError(f"cannot read {what} {path}: {err.strerror or err}") from None
     if not stat.S_ISREG(info.st_mode):
-        raise DpivonError(f"{what} {path} is {_kind(info.st_mode)}; give a YAML file")
+        raise DpivonError(f"{what} {path} is {_kind(info.st_mode)}, not a regular file")
+    return info
+
+
+def check_input_file(path: Path, what: str = "file") -> None:
+    """``path`` is a regular file small enough to parse; else one DpivonError line."""
+    info = check_regular_file(path, what)
     if info.st_size > MAX_INPUT_BYTES:
         raise DpivonError(
             f"{what} {path} is {info.st_size:,} bytes, above the limit of "

@@ -10,7 +10,6 @@ existed have exactly layout 1, so a file without it reads as 1.
 from __future__ import annotations
 
 import io
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from dpivon.errors import DpivonError
+from dpivon.paths import check_regular_file
 
 FORMAT_KEY = "format"
 FORMAT_VERSION = 1
@@ -26,19 +26,6 @@ FORMAT_VERSION = 1
 def versioned(payload: Mapping[str, Any]) -> dict[str, Any]:
     """``payload`` as a file of this layout version saves it."""
     return {FORMAT_KEY: FORMAT_VERSION, **payload}
-
-
-def _file_bytes(path: Path, what: str) -> bytes:
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise DpivonError(f"{what} not found: {path}") from None
-    except OSError as err:
-        raise DpivonError(f"cannot read {what} {path}: {err.strerror or err}") from None
-    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read forever
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-        raise DpivonError(f"{what} {path} is {kind}; name the file dpivon wrote")
-    return path.read_bytes()
 
 
 def read_saved(
@@ -51,7 +38,8 @@ def read_saved(
     the file at ``where``), with each of ``fields`` present and of its type; else one
     DpivonError line naming the file."""
     if isinstance(source, Path):
-        where, data = source, _file_bytes(source, what)
+        check_regular_file(source, what)  # a FIFO would block the read forever
+        where, data = source, source.read_bytes()
     else:
         data = source
     fix = "delete it or name another file"

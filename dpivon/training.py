@@ -8,6 +8,7 @@ checkpoints) and receive a `TrainResult`.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -471,7 +472,7 @@ class EpochCheckpoint:
         self.path, self.config = path, config
         self.run_id: str | None = None
         self.state: dict | None = None
-        if path.exists() or path.is_symlink():
+        if os.path.lexists(path):  # a FIFO or a symlink loop is refused, not opened
             fields = {"config": dict, "mlflow_run_id": str, "training": dict}
             saved = read_saved(path, "checkpoint", fields)
             if saved["config"] != config.flat():

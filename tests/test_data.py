@@ -181,6 +181,22 @@ def test_env_vars_choose_source_and_cache(
         load_cifar10()
 
 
+@pytest.mark.parametrize("cache", ["/proc/dpivon-cache", "{file}/cache"])
+def test_an_unusable_cache_is_refused_before_the_decoding(
+    tarball: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: str
+) -> None:
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    monkeypatch.setenv("DPIVON_CACHE", cache.format(file=regular))
+
+    def decode(*args, **kwargs):
+        raise AssertionError("decoded before the cache was checked")
+
+    monkeypatch.setattr("dpivon.data.cifar10._decode", decode)
+    with pytest.raises(DpivonError, match=r"^\$DPIVON_CACHE .*cache"):
+        load_cifar10(tarball)
+
+
 def test_missing_path_and_nothing_found(tmp_path: Path) -> None:
     with pytest.raises(DpivonError, match=r"does not exist; pass --data-path or set DPIVON_DATA"):
         load_cifar10(tmp_path / "missing.tar.gz")

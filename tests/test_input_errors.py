@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import time
 from pathlib import Path
 
@@ -29,13 +31,15 @@ from dpivon.study.spec import load_benchmark
 
 SPACES = REPO / "search_spaces" / "quickstart"
 SYNTHETIC_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-sgd", "--epochs=1"]
+IVON_TRAIN = ["train", "--dataset=synthetic", "--optimizer=dp-ivon-gradsq", "--epochs=1"]
 
 
-def invoke(args: list[str], cwd: Path, store: Path):
-    """``dpivon ARGS`` in ``cwd`` with its MLflow store at ``store``."""
+def invoke(args: list[str], cwd: Path, store: Path, env: dict[str, str] | None = None):
+    """``dpivon ARGS`` in ``cwd`` with its MLflow store at ``store`` (and ``env`` set)."""
     with contextlib.chdir(cwd):
         return CliRunner().invoke(app, [str(a) for a in args],
-                                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})  # fmt: skip
+                                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}",
+                                       **(env or {})})  # fmt: skip
 
 
 def one_line(result) -> str:
@@ -144,7 +148,59 @@ REFUSALS = {
     "evaluate an unknown corruption": (["evaluate", "{file}", "--corruption=fogg"],
                                        "unknown corruption 'fogg'"),
     "evaluate severity 6": (["evaluate", "{file}", "--severity=6"], "from 1 to 5, got 6"),
+    "evaluate a file that is no model": (["evaluate", "{file}"],
+                                         "is not a file dpivon wrote"),
     "evaluate --json a directory": (["evaluate", "{file}", "--json={tmp}"], "is a directory"),
+    # sizes and counts: bounded where the config validates itself, with what a value costs
+    "train ece_bins 10^12": ([*SYNTHETIC_TRAIN, "--set", "ece_bins=1000000000000"],
+                             "evaluation.ece_bins=1,000,000,000,000 would need 80 TB"),
+    "train ece_bins 10^7": ([*SYNTHETIC_TRAIN, "--set", "evaluation.ece_bins=10000000"],
+                            "at most 10,000"),
+    "train mc_samples 10^8": ([*IVON_TRAIN, "--set", "mc_samples=100000000"],
+                              "optimizer.mc_samples=100,000,000 would run 100,000,000 forward"),
+    "train val_bma_samples 10^9": ([*IVON_TRAIN, "--val-bma-samples=1000000000"],
+                                   "evaluation.val_bma_samples=1,000,000,000 would predict"),
+    "train bma_samples 10^9": ([*IVON_TRAIN, "--bma-samples=1000000000"], "at most 1,000"),
+    "train synthetic_size 10^12": ([*SYNTHETIC_TRAIN, "--set", "synthetic_size=1000000000000"],
+                                   "data.synthetic_size=1,000,000,000,000 would need 15 PB"),
+    "audit synthetic_size 10^12": (["audit", "--optimizer=dp-sgd",
+                                    "--synthetic-size=1000000000000"], "would need 15 PB"),
+    "predict --bma-samples 10^9": (["predict", "runs:/x/model", "{file}",
+                                    "--bma-samples=1000000000"],
+                                   "--bma-samples=1,000,000,000 would predict every image"),
+    "evaluate --bma-samples 10^9": (["evaluate", "{file}", "--bma-samples=1000000000"],
+                                    "at most 1,000"),
+    "predict --seed 2^70": (["predict", "runs:/x/model", "{file}", f"--seed={2**70}"],
+                            "--seed must be in [0, 2**32)"),
+    "evaluate --seed 2^70": (["evaluate", "{file}", f"--seed={2**70}"],
+                             "--seed must be in [0, 2**32)"),
+    "sweep epsilons [yes]": (["sweep", "sweep:epsilons=[8.0, yes]"],
+                             "epsilons.1 takes no boolean, got True"),
+    "train --tracking-uri in /proc": ([*SYNTHETIC_TRAIN, "--tracking-uri=sqlite:////proc/m.db"],
+                                      "/proc/m.db cannot be written"),
+    "train --tracking-uri a directory": ([*SYNTHETIC_TRAIN, "--tracking-uri=sqlite:///{tmp}"],
+                                         "is a directory, not a regular file"),
+    "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
+                                 "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
+    # a float that is not finite, unless the field says what .inf means (epsilon: no noise)
+    "train weight_decay .inf": ([*SYNTHETIC_TRAIN, "--set", "weight_decay=.inf"],
+                                "weight_decay must be a finite number >= 0, got inf"),
+    "train hess_init .inf": ([*IVON_TRAIN, "--set", "hess_init=.inf"],
+                             "hess_init must be a finite number > 0, got inf"),
+    "train hess_floor .inf": ([*IVON_TRAIN, "--set", "hess_floor=.inf"],
+                              "hess_floor must be a finite number >= 0, got inf"),
+    "train hess_floor .nan": ([*IVON_TRAIN, "--set", "hess_floor=.nan"], "got nan"),
+    "train ess .inf": ([*IVON_TRAIN, "--set", "ess=.inf"], "ess must be a finite number"),
+    "train val_noise_multiplier .inf": ([*SYNTHETIC_TRAIN, "--set", "val_noise_multiplier=.inf"],
+                                        "val_noise_multiplier must be a finite number"),
+    "train second_moment_floor .inf": (["train", "--dataset=synthetic", "--optimizer=dp-adambc",
+                                        "--set", "second_moment_floor=.inf"],
+                                       "second_moment_floor must be a finite number > 0"),
+    "sweep validation_noise .inf": (["sweep", "sweep:validation_noise=.inf"],
+                                    "validation_noise must be a finite number >= 0"),
+    "sweep ASHA reduction_factor .inf": (["sweep", "sweep:scheduler={{type: asha, "
+                                          "reduction_factor: .inf}}"],
+                                         "scheduler.reduction_factor: must be a finite number"),
 }  # fmt: skip
 
 
@@ -176,6 +232,58 @@ def test_a_refusal_comes_first_in_one_line_and_leaves_nothing_behind(tmp_path, c
     assert regular.read_text() == "not a folder\n"
 
 
+# -- special files: refused by what they are, never opened (a FIFO's open blocks) -----------
+
+SPECIAL_FILES = {
+    "FIFO": (os.mkfifo, "is a FIFO (named pipe)"),
+    "directory": (os.mkdir, "is a directory"),
+    "symlink loop": (lambda path: os.symlink(path, path), "Too many levels of symbolic links"),
+}
+# the commands that read a file the user names; {path}: the special file
+FILE_READERS = {
+    "train --config": ["train", "--config={path}"],
+    "train --checkpoint": [*SYNTHETIC_TRAIN, "--checkpoint={path}"],
+    "predict": ["predict", "runs:/x/model", "{path}"],
+    "predict a folder holding it": ["predict", "runs:/x/model", "{folder}"],
+    "evaluate": ["evaluate", "{path}"],
+}
+# a folder is what predict and evaluate take (images, a model folder): no special file there
+_FOLDER_INPUTS = ("predict", "predict a folder holding it", "evaluate")
+
+
+@pytest.mark.timeout(60)  # a blocking open would hang here
+@pytest.mark.parametrize("kind", SPECIAL_FILES)
+@pytest.mark.parametrize("command", FILE_READERS)
+def test_a_special_file_is_refused_by_what_it_is_without_opening_it(tmp_path, command, kind):
+    if kind == "directory" and command in _FOLDER_INPUTS:
+        pytest.skip("a folder is a valid input of this command")
+    make, what = SPECIAL_FILES[kind]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    # a folder's images are found by their suffix; a batch is a .npy file
+    path = folder / ("x.png" if command == "predict a folder holding it" else "x.npy")
+    make(path)
+    args = [a.format(path=path, folder=folder) for a in FILE_READERS[command]]
+    started = time.perf_counter()
+    result = invoke(args, tmp_path, tmp_path / "store.db")
+    line = one_line(result)
+    assert result.exit_code == 2 and what in line and str(path) in line, line
+    assert "not found" not in line, line
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "store.db").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf"])
+def test_a_bad_environment_variable_is_named_before_the_sweep_starts(tmp_path, value):
+    started = time.perf_counter()
+    result = invoke(["sweep", _sweep(tmp_path)], tmp_path, tmp_path / "store.db",
+                    env={"DPIVON_TRACKING_WAIT_S": value})  # fmt: skip
+    line = one_line(result)
+    assert result.exit_code == 2 and "DPIVON_TRACKING_WAIT_S" in line and value in line, line
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "store.db").exists() and not (tmp_path / "runs").exists()
+
+
 # -- strict loading -------------------------------------------------------------------------
 
 
@@ -199,6 +307,34 @@ def test_a_duplicate_key_is_refused_with_its_line(tmp_path):
     # a key that a merge (<<) brings in may be overridden: that is no duplicate
     path.write_text("- &a {optimizer: dp-sgd, dataset: synthetic, lr: 0.1}\n- {<<: *a, lr: 0.2}\n")
     assert [c.optimizer.lr for c in load_configs(path)] == [0.1, 0.2]
+
+
+LOOK_ALIKE = "\u0435psilon"  # "epsilon" with a Cyrillic e
+
+
+@pytest.mark.parametrize("text", [f"{LOOK_ALIKE}: 2.0", f"privacy: {{{LOOK_ALIKE}: 2.0}}"])
+def test_a_key_with_a_look_alike_character_says_which_and_what_was_meant(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"optimizer: dp-sgd\n{text}\n", encoding="utf-8")
+    message = _refused(load_configs, path, "unknown key", "did you mean ", "epsilon")
+    assert "'\u0435' is U+0435 CYRILLIC SMALL LETTER IE, not an ASCII letter" in message
+    result = invoke([*SYNTHETIC_TRAIN, "--set", f"{LOOK_ALIKE}=2"], tmp_path, tmp_path / "s.db")
+    line = one_line(result)
+    assert result.exit_code == 2 and "did you mean epsilon?" in line and "U+0435" in line, line
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    """A few lines whose aliases expand to 16 million numbers: the message shows the value
+    cut short, without first writing all of it out (that took 5-10 s)."""
+    bomb = "[&a [1,1,1,1,1,1,1,1], " + ", ".join(
+        f"&{b} [{', '.join([f'*{a}'] * 8)}]" for a, b in itertools.pairwise("abcdefgh")
+    ) + "]"
+    path = tmp_path / "c.yaml"
+    for text in (f"lr: {bomb}", f"x: {bomb}"):  # a wrong value, an unknown key
+        path.write_text(f"optimizer: dp-sgd\n{text}\n")
+        started = time.process_time()
+        _refused(load_configs, path)
+        assert time.process_time() - started < 1
 
 
 def test_a_file_too_large_is_refused_before_it_is_parsed(tmp_path):

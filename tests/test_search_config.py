@@ -693,7 +693,7 @@ BAD_PIPELINES = {
         "best_by must be one of the objectives",
     ),
     "train-unknown-key": (_set("train", {"bma": 3}), "'bma' is not a TrainConfig field"),
-    "train-invalid-value": (_set("train", {"bma_samples": -1}), "bma_samples must be >= 0"),
+    "train-invalid-value": (_set("train", {"bma_samples": -1}), "bma_samples must be in [0, 1000]"),
     "train-and-space": (_set("train", {"lr": 0.1}), "lr set both under train: and by"),
     "batch-above-data": (
         _set("data", {"dataset": "synthetic", "synthetic_size": 100}),

@@ -120,3 +120,25 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_it_and_opens_no_run(
     assert len(lines) == 1 and "ck.pt" in lines[0] and reason in lines[0], ran.stderr
     store = tmp_path / "mlflow.db"
     assert not store.exists() or not MlflowClient(f"sqlite:///{store}").search_runs(["0"])
+
+
+def test_a_sigtermed_run_ends_killed_in_one_line(tmp_path):
+    """SIGTERM (a scheduler's stop, `kill`) stops `train` as Ctrl-C does: its MLflow run ends
+    KILLED, not RUNNING, with one line and exit code 143."""
+    at = RUN.index("--epochs")
+    run = [*RUN[:at], "--epochs", "50", *RUN[at + 2 :], "--tracking-uri", "sqlite:///store.db"]
+    driver = subprocess.Popen([*DPIVON, *run], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    for line in driver.stderr:  # the run is open once an epoch is logged
+        if line.startswith("epoch 1/50") or time.monotonic() > deadline:
+            break
+    driver.send_signal(signal.SIGTERM)
+    rest = driver.stderr.read()
+    assert driver.wait(timeout=120) == 143, rest
+    lines = [line for line in rest.splitlines() if line.strip() and not line.startswith("epoch")]
+    assert lines == ["dpivon train interrupted by SIGTERM: a run in progress ended KILLED"], rest
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
+    assert run.info.status == "KILLED"
+

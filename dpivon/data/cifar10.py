@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE, ImageArrays
 from dpivon.errors import DpivonError
+from dpivon.paths import check_writable_folder
 
 ENV_DATA = "DPIVON_DATA"
 ENV_CACHE = "DPIVON_CACHE"
@@ -153,6 +154,9 @@ def _load_source(source: _Source, cache: Path) -> tuple[ImageArrays, ImageArrays
     cached = _read_cache(cache_file)
     if cached is not None:
         return cached
+    # the decoded copy is written there: an unusable folder fails now, not after the decoding
+    origin = f"${ENV_CACHE}" if os.environ.get(ENV_CACHE) else "the cache directory"
+    check_writable_folder(cache, origin)
     train, test = _decode(source)
     _write_cache(cache_file, train, test)
     return train, test

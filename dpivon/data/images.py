@@ -3,6 +3,7 @@ either layout) turned into what the models take: CIFAR-normalised float32 (N, 3,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import Tensor
 from dpivon.data.arrays import IMAGE_SHAPE
 from dpivon.data.splits import cifar_normalise_
 from dpivon.errors import DpivonError
+from dpivon.paths import check_regular_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 CHANNELS_FIRST = (IMAGE_SHAPE[2], IMAGE_SHAPE[0], IMAGE_SHAPE[1])  # (3, 32, 32)
@@ -67,7 +69,7 @@ def read_images(paths: Iterable[str | Path]) -> tuple[list[str], np.ndarray]:
             files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise DpivonError(f"{path} holds no {'/'.join(IMAGE_SUFFIXES)} file")
-        elif not path.exists():
+        elif not os.path.lexists(path):
             raise DpivonError(f"{path} does not exist")
         elif path.suffix.lower() == ".npy":
             batch = _read_batch(path)
@@ -89,6 +91,7 @@ def read_images(paths: Iterable[str | Path]) -> tuple[list[str], np.ndarray]:
 
 
 def _read_image(path: Path) -> np.ndarray:
+    check_regular_file(path, "image")
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
@@ -101,6 +104,7 @@ def _read_image(path: Path) -> np.ndarray:
 
 
 def _read_batch(path: Path) -> np.ndarray:
+    check_regular_file(path, "batch")
     try:
         batch = np.load(path, allow_pickle=False)
     except (ValueError, OSError) as err:

@@ -23,8 +23,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from dpivon.constraints import (
     Bool,
-    Count,
+    Bound,
     FinitePositiveFloat,
+    Float,
+    Int,
     NonNegativeFloat,
     PositiveFloat,
     Rate,
@@ -35,6 +37,8 @@ from dpivon.constraints import (
 HessianEstimator = Literal["price", "gradsq"]
 CurvatureEstimator = Literal["per-step", "ema-corrected", "pooled", "shrinkage"]
 CurvaturePool = Literal["tensor", "channel"]
+# Posterior samples per training step: each is a forward and backward pass of the batch
+MAX_MC_SAMPLES = 64
 
 
 def check_price_samples(hess_approx: str, mc_samples: int) -> None:
@@ -116,8 +120,18 @@ class IVONOptions(OptimizerOptions):
     hess_approx: HessianEstimator
     hess_init: PositiveFloat
     ess: PositiveFloat | None = None  # None: the training-set size
-    mc_samples: Count = 1
-    clip_radius: PositiveFloat = math.inf
+    mc_samples: Annotated[
+        Int,
+        Bound(
+            ge=1,
+            le=MAX_MC_SAMPLES,
+            cost=lambda n: f"run {n:,} forward and backward passes per step",
+            why="a step that many times as long as one sample's; IVON uses 1 to 10",
+        ),
+    ] = 1
+    clip_radius: Annotated[Float, Bound(gt=0, infinite=True, shown="> 0 (.inf: no clipping)")] = (
+        math.inf
+    )
     rescale_lr: Bool = True
     debias: Bool = True
     hess_floor: NonNegativeFloat  # keeps h >= hess_floor (0: no floor)

@@ -30,6 +30,7 @@ from pydantic import (
 
 from dpivon.config import (
     DataConfig,
+    Epochs,
     ModelConfig,
     PrivacyConfig,
     TrainingConfig,
@@ -37,7 +38,7 @@ from dpivon.config import (
     format_validation_error,
     read_yaml_mapping,
 )
-from dpivon.constraints import Bool, Bound, Count, Epsilon, Float, Int, Probability
+from dpivon.constraints import Bool, Bound, Epsilon, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZERS
 from dpivon.orchestration.storage import SweepStorage
@@ -153,7 +154,7 @@ class RunFile(StrictModel):
     name: str
     data: DataConfig = DataConfig()
     model: Annotated[ModelConfig, BeforeValidator(_model_shorthand)] = ModelConfig()
-    epochs: Count = TrainingConfig.model_fields["epochs"].default
+    epochs: Epochs = TrainingConfig.model_fields["epochs"].default
     delta: Probability = 1e-5
     accountant: AccountantName = "rdp"
     resources: Resources = Resources()

@@ -21,6 +21,7 @@ from ray import tune
 from ray.tune.result import SHOULD_CHECKPOINT
 from rich.console import Console
 
+from dpivon.constraints import NonNegativeFloat, check_bound
 from dpivon.errors import DpivonError
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.search.results import (
@@ -48,6 +49,20 @@ TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
 WAIT_ENV = "DPIVON_TRACKING_WAIT_S"
 DEFAULT_WAIT_S = 300.0
 RETRY_S = 5.0
+
+
+def tracking_wait_s() -> float:
+    """``$DPIVON_TRACKING_WAIT_S`` in seconds (default 300), or one line naming it; read
+    when a sweep starts too, so that a bad value fails then, not after the trials."""
+    text = os.environ.get(WAIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_WAIT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise DpivonError(f"{WAIT_ENV} must be a number of seconds, got {text!r}") from None
+    check_bound(NonNegativeFloat, WAIT_ENV, seconds)
+    return seconds
 console = Console(stderr=True)
 # Tune bookkeeping that is not worth a metric in MLflow.
 _SKIPPED = {
@@ -334,7 +349,7 @@ class MlflowTrialLogger(tune.Callback):
         self._flush()  # drains the queue once the store is back, between events too
 
     def on_experiment_end(self, trials, **info) -> None:
-        self._flush(wait_s=float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
+        self._flush(wait_s=tracking_wait_s())
         if self.pending:
             raise TrackingUnavailable(
                 f"MLflow at {redact_uri(self._real_uri())} stayed unreachable; "

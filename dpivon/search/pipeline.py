@@ -98,12 +98,13 @@ from pydantic import (
 )
 
 from dpivon.config import (
+    Epochs,
     TrainConfig,
     TrainingConfig,
     format_validation_error,
     parse_config,
 )
-from dpivon.constraints import Bound, FiniteEpsilon, Float, Int
+from dpivon.constraints import Bound, FiniteEpsilon, Float, Int, Seed
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.orchestration.run_file import (
@@ -169,7 +170,8 @@ class OptimizerEntry(StrictModel):
 class AshaScheduler(StrictModel):
     type: Literal["asha"]
     grace_period: Annotated[Int, Bound(ge=1)] = 1
-    reduction_factor: Float = Field(2.0, gt=1)
+    # finite: .inf would keep no trial past the first rung
+    reduction_factor: Float = Field(2.0, gt=1, allow_inf_nan=False)
 
 
 class NoScheduler(StrictModel):
@@ -194,7 +196,7 @@ class NoiseFaithful(StrictModel):
     batch_divisor: Annotated[Int, Bound(ge=2, le=1024)]
     # the trials' epochs, each validated (None: the target's): the target's steps in fewer,
     # longer epochs, so that validation does not cost what the smaller batch saved
-    trial_epochs: Annotated[Int, Bound(ge=1)] | None = None
+    trial_epochs: Epochs | None = None
 
 
 class Objective(StrictModel):
@@ -242,7 +244,7 @@ class Pipeline(RunFile):
         ]
     )
     sampler: Literal[tuple(OPTUNA_SAMPLERS)] = "tpe"
-    seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    seed: Seed = 0
     # private trials at batch B / k with the target's steps and sigma / B (TAN)
     noise_faithful: NoiseFaithful | None = None
     max_failures: Annotated[Int, Bound(ge=0, le=MAX_RETRIES, why=_RETRIES_WHY)] = 1

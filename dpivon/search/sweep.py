@@ -47,7 +47,7 @@ from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import SweepStorage
 from dpivon.privacy.tuning import solve_trial_epsilon_within
-from dpivon.search.callbacks import TRACKING_URI_ENV
+from dpivon.search.callbacks import TRACKING_URI_ENV, tracking_wait_s
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import (
@@ -392,6 +392,7 @@ def run_sweep(
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = pipeline.storage
     storage.check_writable()
+    tracking_wait_s()  # a bad $DPIVON_TRACKING_WAIT_S fails now, not when the trials end
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     exists = SweepState.exists(storage)
     if exists and not resume:

@@ -64,7 +64,7 @@ from dpivon.config import (
     TrainConfig,
     parse_config,
 )
-from dpivon.constraints import Bound, Float, Int
+from dpivon.constraints import Bound, Float, Int, Seed
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OptimizerName
 from dpivon.orchestration.run_file import (
@@ -145,12 +145,14 @@ class BenchmarkPipeline(RunFile):
     seeds: Annotated[
         list[Annotated[Int, Bound(ge=0)]], BeforeValidator(as_list), distinct("seeds")
     ]
-    split_seed: Annotated[Int, Bound(ge=0, lt=2**32, shown="in [0, 2**32)")] = 0
+    split_seed: Seed = 0
     methods: Annotated[
         list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
     ]
     concurrency: Concurrency = 2
-    run_timeout_s: Annotated[Float, Bound(gt=0)] = 6 * 3600.0
+    run_timeout_s: Annotated[
+        Float, Bound(gt=0, infinite=True, shown="> 0 (.inf: no limit)")
+    ] = 6 * 3600.0
     # not a TrainConfig key: scoring under shift changes no run's training (or config hash)
     shift: Literal["none", "default", "full"] = "none"
 

@@ -27,6 +27,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from dpivon.errors import DpivonError
+from dpivon.paths import check_regular_file, check_writable
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
@@ -67,6 +68,18 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def check_sqlite_store(uri: str) -> None:
+    """Fail fast, with one line, when a ``sqlite:///`` store's file cannot be written (a
+    directory, a FIFO, /proc): MLflow would retry for two minutes, then raise its own error."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    what = f"the SQLite file of the tracking URI {redact_uri(uri)}:"
+    if os.path.lexists(path):
+        check_regular_file(path, what)
+    check_writable(path, what)
+
+
 @contextmanager
 def fluent_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent calls (``mlflow.pyfunc.log_model``, ``load_model`` of a ``runs:/``
@@ -95,6 +108,7 @@ class Tracker:
     def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT):
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         check_tracking_server(self.tracking_uri)
+        check_sqlite_store(self.tracking_uri)
         self.display_uri = redact_uri(self.tracking_uri)
         self.experiment_name = experiment
         try:

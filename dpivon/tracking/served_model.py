@@ -4,6 +4,7 @@ the dpivon code it runs (``dpivon/mlflow_model.py`` is its entry point)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from importlib import metadata
@@ -177,11 +178,8 @@ def load_scored_model(
     `dpivon.tracking.checkpoints` saves it (a sweep trial's ``model.pt``, committed weights),
     or one line saying why it cannot be loaded."""
     path = Path(model_uri).expanduser()
-    if path.is_file():
-        try:
-            return load_checkpoint(path)
-        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
-            raise DpivonError(f"cannot load the model file {model_uri}: {err}") from None
+    if os.path.lexists(path) and not path.is_dir():
+        return load_checkpoint(path)  # a file that is not one is refused in one line
     if ":/" not in model_uri and not path.exists():
         raise DpivonError(
             f"the model {model_uri} does not exist: give runs:/RUN_ID/model, "
