@@ -37,7 +37,7 @@ from step_time import (
 from dpivon.logs import quiet_known_output
 from dpivon.privacy.noise import SecureRandomness, SeededRandomness, gaussian_noise
 from dpivon.process import allocator, configure_process, jemalloc_loaded, preload_jemalloc
-from dpivon.training import resolve_device
+from dpivon.runs import resolve_device
 
 MODES = {"research": True, "secure": False}  # mode -> research_mode
 

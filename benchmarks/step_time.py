@@ -16,7 +16,7 @@ process runs with the settings every dpivon entry point applies (`dpivon.process
 on jemalloc, which keeps freed memory for reuse), so the figures are those users get, and no
 configuration's timing depends on the others'.
 
-One epoch end to end (``--epoch-dataset``): `dpivon.training.train` for one epoch,
+One epoch end to end (``--epoch-dataset``): `dpivon.runs.train` for one epoch,
 including the data loading and the validation and test evaluation (BMA for the IVON
 family), with the default engine.
 
@@ -43,27 +43,29 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from dpivon import training
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.logs import quiet_known_output
 from dpivon.optim.ivon import DPIVON
 from dpivon.privacy.engine import plan_privacy
 from dpivon.process import configure_process, preload_jemalloc
-from dpivon.training import (
-    UPDATE_SHARE_EVERY,
+from dpivon.runs import (
+    TrainingSetup,
     build_training,
     load_data,
     resolve_device,
     seed_everything,
+    train,
     train_step,
 )
+from dpivon.runs import setup as run_setup
+from dpivon.runs.loop import UPDATE_SHARE_EVERY
 
 BASELINE = "adam"
 ENGINES = ("bk", "hooks", "functorch", "ghost")
 # The noise calibration depends on (epsilon, delta, C, N, b, epochs) only: the same for all
 # configurations of a (model, batch size), so it is computed once for them.
-training.plan_privacy = functools.cache(plan_privacy)
+run_setup.plan_privacy = functools.cache(plan_privacy)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class Row:
 @dataclass
 class Run:
     config: TrainConfig
-    setup: training.TrainingSetup
+    setup: TrainingSetup
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     device: torch.device
     steps: int = 0
@@ -244,7 +246,7 @@ def measure_epochs(args: argparse.Namespace, model: str, device) -> list[Row]:
             fields["per_class"] = args.epoch_size // 10
         config = parse_config(fields)
         start = time.perf_counter()
-        result = training.train(config, data=load_data(config))
+        result = train(config, data=load_data(config))
         results[optimizer] = (time.perf_counter() - start, result)
     base_s = results[BASELINE][0]
     return [

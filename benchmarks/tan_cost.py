@@ -4,7 +4,7 @@ For each method of a noise-faithful tuning pipeline (default
 ``pipelines/compare-eps3-tan-tuning.yaml``), in one process and interleaved, this times
 ``--steps`` optimizer steps and one validation pass of the final run's config (batch B,
 the method's start point) and of a trial's (batch B / k, sigma / k), with the training code
-users run (`dpivon.training.train`, its phase clock). It projects both over the whole run:
+users run (`dpivon.runs.train`, its phase clock). It projects both over the whole run:
 
     final = S * step(B) + epochs * validation(final) + test
     trial = S * step(B / k) + trial_epochs * validation(trial)
@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dpivon.config import parse_config
+from dpivon.runs import PhaseTimes, load_data, train
 from dpivon.search.pipeline import load_pipeline
-from dpivon.training import PhaseTimes, load_data, train
 
 
 def timed(config, data) -> tuple[float, float]:

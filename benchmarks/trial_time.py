@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpivon.optim.registry import PRIVATE_OPTIMIZERS
-from dpivon.training import PHASES
+from dpivon.runs import PHASES
 
 OPTIMIZERS = ("adam", "dp-adam", "dp-ivon-gradsq")
 BASELINE = "dp-adam"

@@ -1,7 +1,7 @@
 """How many posterior draws the per-epoch validation needs: BMA accuracy and ECE with 1, 2,
 4 and 8 draws against 16, at every epoch of a real DP-IVON-Gradsq run.
 
-The run is `dpivon.training.train` on CIFAR-10 (default: the quickstart subset, tanh-cnn,
+The run is `dpivon.runs.train` on CIFAR-10 (default: the quickstart subset, tanh-cnn,
 4,000 training images, 5,000 validation images, batch 256, epsilon 8). After each epoch the
 validation set is evaluated with one sequence of 16 draws from the epoch's posterior,
 seeded as `dpivon.evaluation.evaluate` seeds it, so the k-draw figures are exactly what
@@ -28,7 +28,7 @@ from dpivon.logs import quiet_known_output
 from dpivon.metrics import classification_metrics
 from dpivon.models import build_model
 from dpivon.process import configure_process, preload_jemalloc
-from dpivon.training import EpochReport, load_data, train
+from dpivon.runs import EpochReport, load_data, train
 
 DRAWS = (1, 2, 4, 8, 16)
 

@@ -2,244 +2,41 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
-import math
 import sys
-import types
-import typing
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
-from dpivon.config import (
-    BmaSamples,
-    field_info,
-    format_validation_error,
-    load_configs,
-    parse_assignments,
-    parse_config,
+from dpivon.commands import (
+    OneLineUsageErrors,
+    Opt,
+    check_outputs,
+    config_flags,
+    console,
+    progress_bar,
+    stops_on_signals,
+    user_errors,
 )
+from dpivon.config import BmaSamples, load_configs, parse_config
 from dpivon.constraints import Seed, check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
-from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
+from dpivon.orchestration.interrupts import Interrupted
 from dpivon.paths import check_writable
 from dpivon.process import configure_process, preload_jemalloc
 
-
-class _OneLineUsageErrors(typer.core.TyperGroup):
-    """Usage errors (a flag's bad value, an unknown option) as one line and exit 2, like
-    every other input error, instead of click's usage panel."""
-
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
-        try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
-        except click_errors.NoArgsIsHelpError:
-            sys.exit(2)  # the help is on the screen already
-        except click_errors.UsageError as err:
-            where = err.ctx.command_path if err.ctx is not None else "dpivon"
-            message = " ".join(err.format_message().split())
-            console.print(
-                f"[bold red]error:[/] {message} (see {where} --help)",
-                highlight=False,
-                soft_wrap=True,
-            )
-            sys.exit(2)
-        except click_errors.ClickException as err:
-            console.print(f"[bold red]error:[/] {err.format_message()}", highlight=False)
-            sys.exit(err.exit_code)
-        except typer.Abort:  # end of input at a prompt, or Ctrl-C
-            sys.exit(130)
-        except Exception as err:  # outside any command's handler (parsing, the root callback)
-            report_unexpected(err, "dpivon", "")
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
 app = typer.Typer(
-    cls=_OneLineUsageErrors,
+    cls=OneLineUsageErrors,
     add_completion=False,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     help="Private, uncertainty-aware training (DP-IVON-Gradsq and baselines) and sweeps.",
 )
-console = Console(stderr=True)
-
-
-# The arguments that name what a command works on, for the line of an unexpected error
-_SUBJECTS = ("pipeline", "sweep_ref", "config", "optimizer", "model_uri")
-
-
-def _subject(kwargs: dict[str, Any]) -> str:
-    return next((str(kwargs[n]) for n in _SUBJECTS if kwargs.get(n) is not None), "")
-
-
-def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
-    """One red line for an exception nothing anticipated: the operation, its object, the
-    exception's type and its first line (the traceback is noise to a user)."""
-    lines = str(err).strip().splitlines()
-    what = f"{type(err).__name__}: {lines[0][:500]}" if lines else type(err).__name__
-    on = f" {subject}" if subject else ""
-    console.print(
-        f"[bold red]error:[/] {operation}{on} failed: {what}", highlight=False, soft_wrap=True
-    )
-
-
-def user_errors(command: Callable) -> Callable:
-    """Bad input (a DpivonError or the library's other ValueErrors) becomes one red line
-    and exit code 2; any other exception one red line naming the command and what it was
-    working on, and exit code 1; never a traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort, click_errors.ClickException):
-            raise  # the command's own exit, or a usage error that the group reports
-        except ValueError as err:
-            text = format_validation_error(err) if isinstance(err, ValidationError) else str(err)
-            message = " ".join(text.split())  # one line, whatever the message holds
-            if not isinstance(err, DpivonError):  # a library's: say what it was about
-                subject = _subject(kwargs)
-                message = f"dpivon {command.__name__}{f' {subject}' if subject else ''}: {message}"
-            console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-        except Exception as err:
-            report_unexpected(err, f"dpivon {command.__name__}", _subject(kwargs))
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
-def stops_on_signals(command: Callable) -> Callable:
-    """SIGTERM stops the command as Ctrl-C does: a run in progress ends KILLED (never left
-    RUNNING, `Tracker.run`), one line, and the shell's exit code (130 SIGINT, 143 SIGTERM)."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with signals_interrupt():
-                return command(*args, **kwargs)
-        except Interrupted as stop:
-            console.print(f"dpivon {command.__name__} {stop}: a run in progress ended KILLED",
-                          highlight=False)  # fmt: skip
-            raise typer.Exit(stop.exit_code) from None
-
-    return wrapper
-
-
-def _flag_type(annotation: Any) -> tuple[type, str]:
-    """The Python type a flag parses to, and the choices of a Literal field."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if typing.get_origin(annotation) is Literal:
-        return str, ", ".join(map(str, typing.get_args(annotation)))
-    return annotation, ""
-
-
-def config_flags(*keys: str, required: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
-    """Give a command one ``--flag`` per flat config key, typed and described by the config
-    tree, plus ``--set PATH=VALUE`` for every other option. The command receives the given
-    ones as ``config_values`` (flat keys; None = not given). The ``required`` flags are
-    marked so in ``--help``, and their absence is a usage error."""
-
-    def decorate(command: Callable) -> Callable:
-        signature = inspect.signature(command)
-        own = [p for p in signature.parameters.values() if p.name != "config_values"]
-        flags = []
-        for key in keys:
-            path, info = field_info(key)
-            flag_type, choices = _flag_type(info.annotation)
-            default = "per optimizer" if info.is_required() else info.default
-            needed = key in required
-            help_text = f"{path}" + (f": {choices}" if choices else "")
-            if not needed:
-                help_text += f" [default: {default}]"
-            option = typer.Option(help=help_text, show_default=False)
-            flags.append(
-                inspect.Parameter(
-                    key,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=inspect.Parameter.empty if needed else None,
-                    annotation=Annotated[flag_type if needed else flag_type | None, option],
-                )
-            )
-        assignments = inspect.Parameter(
-            "set_values",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                list[str] | None,
-                typer.Option(
-                    "--set",
-                    metavar="PATH=VALUE",
-                    help="any config option by its path, e.g. --set optimizer.hess_floor=1e-3 "
-                    "(repeatable; values are YAML)",
-                ),
-            ],
-        )
-
-        @functools.wraps(command)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            given = {key: kwargs.pop(key) for key in keys}
-            values = {k: v for k, v in given.items() if v is not None}
-            extra = parse_assignments(kwargs.pop("set_values") or [])
-            twice = sorted(set(values) & set(extra))
-            if twice:
-                raise DpivonError(f"{twice[0]} given both as --{twice[0].replace('_', '-')} "
-                                  "and with --set; give it once")  # fmt: skip
-            return command(*args, config_values={**values, **extra}, **kwargs)
-
-        hints = typing.get_type_hints(command, include_extras=True)
-        parameters = [
-            p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name]) for p in own
-        ]
-        parameters += [*flags, assignments]
-        wrapper.__signature__ = signature.replace(parameters=parameters)
-        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
-        return wrapper
-
-    return decorate
-
-
-@contextmanager
-def progress_bar(enabled: bool) -> Iterator[Callable]:
-    """A steps-of-training bar on stderr (stdout stays for results): yields the callback
-    that training and audits report their steps to (dpivon.training.StepReport)."""
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
-    tasks: dict[str, Any] = {}
-
-    def on_step(report) -> None:
-        if report.task not in tasks:
-            tasks[report.task] = bar.add_task(report.task, total=report.total, status="")
-        bar.update(tasks[report.task], completed=report.done, status=report.status)
-
-    with bar:
-        yield on_step
-
-
+# What an epoch's line in the terminal shows
 EPOCH_LINE = (
     "train_loss",
     "val_accuracy",
@@ -249,27 +46,12 @@ EPOCH_LINE = (
     "projected_fraction",
     "hess_median",
 )
-
-
-Opt = Annotated
 # The tag that marks a private run's metrics its epsilon does not cover (--log-train-loss)
 NOT_COVERED_TAG = "dpivon.not_covered"
 NOT_COVERED_NOTE = (
     "--log-train-loss: the raw training loss is logged; it is computed on the raw batches, "
     "so the run's epsilon does not cover it (tagged dpivon.not_covered)"
 )
-
-
-def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:
-    """Outputs that would fail only after a long run fail now: an unwritable --json path,
-    an empty experiment name, a SQLite store that cannot be written."""
-    from dpivon.tracking.client import check_sqlite_store, resolve_tracking_uri
-
-    if not experiment.strip():
-        raise DpivonError("--experiment must not be empty")
-    check_sqlite_store(resolve_tracking_uri(tracking_uri))
-    if json_path is not None:
-        check_writable(json_path, "--json")
 
 
 @app.callback()
@@ -326,19 +108,20 @@ def train(
     ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
-    from dpivon.privacy.accounting import check_plan_reachable
-    from dpivon.shift import SHIFT_FILE, evaluate_shift_as_configured
-    from dpivon.tracking.client import Tracker
-    from dpivon.tracking.training_run import log_training_result
-    from dpivon.training import (
+    from dpivon.runs import (
         NOT_COVERED_METRICS,
-        EpochCheckpoint,
         PhaseTimes,
+        RunCheckpoint,
         check_fits,
+        check_plan_reachable,
         load_data,
         released_metrics,
     )
-    from dpivon.training import train as run_training
+    from dpivon.runs import train as run_training
+    from dpivon.runs.tracked import tracked_run
+    from dpivon.shift import SHIFT_FILE, evaluate_shift_as_configured
+    from dpivon.tracking.client import Tracker
+    from dpivon.tracking.training_run import log_training_result
 
     overrides = config_values
     configs = (
@@ -353,7 +136,7 @@ def train(
             check_plan_reachable(cfg)
     if checkpoint is not None and len(configs) > 1:
         raise DpivonError(f"--checkpoint takes one config; {config} holds {len(configs)}")
-    saved = EpochCheckpoint(checkpoint, configs[0]) if checkpoint is not None else None
+    saved = RunCheckpoint.load(checkpoint, configs[0]) if checkpoint is not None else None
     phases = [PhaseTimes() for _ in configs]
     datasets = []
     for cfg, times in zip(configs, phases, strict=True):  # bad data fails before any run
@@ -370,24 +153,17 @@ def train(
         if cfg.is_private and log_train_loss:
             tags[NOT_COVERED_TAG] = ", ".join(NOT_COVERED_METRICS)
             console.print(f"[yellow]note:[/] {NOT_COVERED_NOTE}", highlight=False)
-        restored = saved is not None and saved.state is not None
-        resumed = saved.run_id if restored and tracker.has_run(saved.run_id) else None
-        with tracker.run(name, tags=tags, run_id=resumed) as run_id:
-            if resumed is None:
-                tracker.log_params(run_id, cfg.flat())
-                tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
-                # a store without the checkpoint's run (moved, or a fresh one): replay its epochs
-                for epoch in saved.state["history"] if restored else []:
-                    metrics = released_metrics(cfg, epoch, train_loss=log_train_loss)
-                    tracker.log_metrics(run_id, metrics, step=int(epoch["epoch"]))
-            if restored:
+        with tracked_run(
+            tracker, cfg, name, tags=tags, resume=saved, train_loss=log_train_loss
+        ) as run_id:
+            if saved is not None:
                 console.print(f"resuming run {run_id} after epoch {saved.epoch} ({checkpoint})")
 
             def log_epoch(report, run_id=run_id, cfg=cfg) -> None:
                 metrics = released_metrics(cfg, report.metrics, train_loss=log_train_loss)
                 tracker.log_metrics(run_id, metrics, step=report.epoch)
-                if saved is not None:
-                    saved.save(run_id, report.checkpoint())
+                if checkpoint is not None:
+                    RunCheckpoint.after_epoch(cfg, report, mlflow_run_id=run_id).save(checkpoint)
                 shown = {k: metrics[k] for k in EPOCH_LINE if k in metrics}
                 console.print(
                     f"epoch {report.epoch}/{cfg.training.epochs} "
@@ -401,7 +177,7 @@ def train(
                     data=data,
                     on_epoch_end=log_epoch,
                     on_step=on_step,
-                    resume_state=saved.state if saved is not None else None,
+                    resume_state=saved.training if saved is not None else None,
                     phases=times,
                 )
             if shift_set is not None:
@@ -428,7 +204,7 @@ def train(
 
 
 def _print_profile(seconds: dict[str, float]) -> None:
-    """The phases of one run (dpivon.training.PHASES) with their share of the run."""
+    """The phases of one run (dpivon.runs.PHASES) with their share of the run."""
     total = sum(seconds.values())
     table = Table(title="profile: where the run's time went")
     for column in ("phase", "seconds", "share"):
@@ -518,7 +294,6 @@ def benchmark(
 ) -> None:
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""
-    from dpivon.orchestration.interrupts import Interrupted
     from dpivon.study.benchmark import run_benchmark
     from dpivon.study.benchmark_report import results_rows
     from dpivon.study.spec import load_benchmark
@@ -687,37 +462,22 @@ def audit(
     noise than accounted (a privacy violation).
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
-    from dpivon.audit import audit_config, check_canaries, run_audit
-    from dpivon.config import PRIVATE_OPTIMIZERS
-    from dpivon.privacy.accounting import check_plan_reachable
+    from dpivon.audit import audit_config, check_audit, run_audit
+    from dpivon.runs import check_plan_reachable, resolve_device
+    from dpivon.runs.tracked import tracked_run
     from dpivon.tracking.client import Tracker
-    from dpivon.training import resolve_device
 
-    optimizer = config_values.get("optimizer")
-    if optimizer not in PRIVATE_OPTIMIZERS:
-        raise DpivonError(
-            f"--optimizer {optimizer} is not a private optimizer; audit one of: "
-            + ", ".join(PRIVATE_OPTIMIZERS)
-        )
-    epsilon = config_values.get("epsilon")
-    if epsilon is not None and not math.isfinite(epsilon):
-        raise DpivonError(
-            f"epsilon must be finite (a run without noise claims nothing), got {epsilon}"
-        )
-    if canaries < 1:
-        raise DpivonError(f"canaries must be >= 1, got {canaries}")
-    if not 0 < confidence < 1:
-        raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
     cfg = audit_config(**config_values)
-    check_canaries(cfg, canaries)
+    check_audit(cfg, canaries, confidence)
     check_plan_reachable(cfg)
     resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment, tracking_uri)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
-    name = f"audit-{optimizer}-eps{cfg.privacy.epsilon:g}"
-    with tracker.run(name, tags={"dpivon.kind": "audit"}) as run_id:
-        tracker.log_params(run_id, {**cfg.flat(), "canaries": canaries, "confidence": confidence})
+    name = f"audit-{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
+    audit_params = {"canaries": canaries, "confidence": confidence}
+    tags = {"dpivon.kind": "audit"}
+    with tracked_run(tracker, cfg, name, tags=tags, params=audit_params) as run_id:
         with progress_bar(sys.stderr.isatty()) as on_step:
             result = run_audit(cfg, canaries, confidence=confidence, on_step=on_step)
         summary = {**result.summary(), "mlflow_run_id": run_id}
@@ -885,9 +645,9 @@ def evaluate(
     (AUROC of max-probability, entropy, mutual information) on the clean test images and on
     CIFAR-10-C-style corruptions at severities 1-5 (made once, then cached)."""
     from dpivon.data import load_test_images
+    from dpivon.runs import synthetic_sizes
     from dpivon.shift import ShiftSet, check_shift_request, evaluate_shift
     from dpivon.tracking.served_model import load_scored_model
-    from dpivon.training import synthetic_sizes
 
     base = shift_set_named("full" if full else "default")
     shift_set = ShiftSet(

@@ -57,22 +57,22 @@ from dpivon.optim.registry import (
     optimizer_options,
 )
 from dpivon.paths import check_input_file
+from dpivon.privacy.names import (
+    AccountantName,
+    EngineName,
+    check_engine_samples,
+)
 
 __all__ = [  # the optimizer names are the registry's, re-exported for config users
     "FLAT_KEYS",
     "OPTIMIZER_NAMES",
     "PRIVATE_OPTIMIZERS",
     "SECTIONS",
-    "AccountantName",
     "BmaSamples",
     "DatasetName",
-    "EngineName",
     "Epochs",
-    "OneBackwardEngine",
-    "PerSampleEngine",
     "TrainConfig",
     "TuningCost",
-    "check_engine_samples",
     "config_key",
     "field_info",
     "format_validation_error",
@@ -98,26 +98,6 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 # The choice lists a config names; the code that implements each choice takes its list from
 # here (typing.get_args), so a choice is added in one place besides its implementation.
 DatasetName = Literal["cifar10", "synthetic"]  # dpivon.data
-AccountantName = Literal["rdp", "prv"]  # Opacus accountants (dpivon.privacy.accounting)
-# How clipped per-example gradients are computed (dpivon.privacy.engine). One-backward
-# engines clip what one backward pass gives: they cannot average an example's gradient over
-# several posterior samples before clipping (DPIVON needs p.grad_sample for that).
-OneBackwardEngine = Literal["bk", "ghost"]
-PerSampleEngine = Literal["hooks", "functorch", "ew"]  # Opacus grad-sample modes
-EngineName = Literal["auto", OneBackwardEngine, PerSampleEngine]
-
-
-def check_engine_samples(engine: str, mc_samples: int) -> None:
-    """A one-backward engine clips a single backward pass, so it cannot take mc_samples > 1.
-    The rule's one home: the config validates it, `make_private` for callers without one."""
-    if engine in typing.get_args(OneBackwardEngine) and mc_samples > 1:
-        raise DpivonError(
-            f"engine {engine} clips the gradients of one backward pass; mc_samples="
-            f"{mc_samples} needs each example's gradient averaged over the posterior samples "
-            "before clipping: use engine hooks, functorch or ew (auto picks hooks)"
-        )
-
-
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 

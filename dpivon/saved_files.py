@@ -4,7 +4,8 @@ when it is loaded) and checked: a truncated, foreign, hand-edited or newer file 
 line naming the file and what is wrong with it, before any run is opened.
 
 Each file carries its layout's version (``FORMAT_KEY``); the files written before the key
-existed have exactly layout 1, so a file without it reads as 1.
+existed have exactly layout 1, so a file without it reads as 1. A kind of file whose layout
+changed passes its own version (run checkpoints: `dpivon.runs.checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ FORMAT_KEY = "format"
 FORMAT_VERSION = 1
 
 
-def versioned(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """``payload`` as a file of this layout version saves it."""
-    return {FORMAT_KEY: FORMAT_VERSION, **payload}
+def versioned(payload: Mapping[str, Any], version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """``payload`` as a file of layout ``version`` saves it."""
+    return {FORMAT_KEY: version, **payload}
 
 
 def read_saved(
@@ -33,10 +34,12 @@ def read_saved(
     what: str,
     fields: Mapping[str, type | tuple[type, ...]],
     where: str | Path | None = None,
+    *,
+    version: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """The dict a dpivon ``what`` file saved, read from ``source`` (a path, or the bytes of
-    the file at ``where``), with each of ``fields`` present and of its type; else one
-    DpivonError line naming the file."""
+    the file at ``where``) of layout ``version``, with each of ``fields`` present and of its
+    type; else one DpivonError line naming the file."""
     if isinstance(source, Path):
         check_regular_file(source, what)  # a FIFO would block the read forever
         where, data = source, source.read_bytes()
@@ -54,16 +57,19 @@ def read_saved(
         raise DpivonError(
             f"{what} {where} holds a {type(saved).__name__}, not a dpivon {what}; {fix}"
         )
-    version = saved.get(FORMAT_KEY, 1)
-    if version != FORMAT_VERSION:
-        raise DpivonError(
-            f"{what} {where} has layout version {version!r}; this dpivon reads version "
-            f"{FORMAT_VERSION}; {fix}"
-        )
+    named = saved.get(FORMAT_KEY)
+    layout = 1 if named is None else named
     wrong = [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
+    # a dict that names no layout and lacks fields is foreign first (layout 1 said with it)
+    if layout != version and not (wrong and named is None):
+        raise DpivonError(
+            f"{what} {where} has layout version {layout!r}; this dpivon reads version "
+            f"{version}; {fix}"
+        )
     if wrong:
+        older = f" (or one of layout 1; this dpivon reads {version})" if layout != version else ""
         raise DpivonError(
             f"{what} {where} lacks {', '.join(repr(k) for k in wrong)} or holds another type "
-            f"there, so it is not a dpivon {what}; {fix}"
+            f"there, so it is not a dpivon {what}{older}; {fix}"
         )
     return saved

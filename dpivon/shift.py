@@ -213,7 +213,7 @@ def validation_shift_scores(
     config: TrainConfig, val_images: ImageArrays | None, severity: int
 ) -> Callable[[nn.Module, Posterior | None], dict[str, float]]:
     """An epoch's scores under shift for a sweep's objectives: ``shift_accuracy``,
-    ``shift_ece`` and ``shift_nll`` (`dpivon.training` prefixes ``val_``), the means over
+    ``shift_ece`` and ``shift_nll`` (`dpivon.runs` prefixes ``val_``), the means over
     `DEFAULT_CORRUPTIONS` at ``severity`` of the validation images (at most
     `DEFAULT_PER_CLASS` per class), with the per-epoch validation's posterior draws."""
     check_severity(severity)

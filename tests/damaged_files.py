@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from dpivon.runs.checkpoint import CHECKPOINT_LAYOUT, TRAINING_STATE_KEYS
+
 
 def torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
@@ -19,11 +21,26 @@ def torch_bytes(obj: Any) -> bytes:
 
 def damaged_torch_files(valid: dict[str, Any]) -> dict[str, tuple[bytes, str]]:
     """Case name -> (file content, words of its refusal); ``valid`` is a payload of the
-    reader's layout (its values may be of another configuration)."""
+    reader's layout (its values may be of another configuration); the older layout is the
+    one before it."""
+    older = valid.get("format", 1) - 1
     return {
         "truncated": (torch_bytes(valid)[:300], "cut short"),
         "random bytes": (os.urandom(4096), "not a file dpivon wrote"),
         "a list": (torch_bytes([1, 2, 3]), "holds a list"),
         "a state dict": (torch_bytes({"weight": torch.zeros(2)}), "lacks"),
-        "an older layout": (torch_bytes({**valid, "format": 0}), "layout version 0"),
+        "an older layout": (torch_bytes({**valid, "format": older}), f"layout version {older}"),
     }
+
+
+# A run checkpoint of the current layout, of another configuration than any test runs.
+OTHER_RUN_CHECKPOINT = {
+    "format": CHECKPOINT_LAYOUT, "config": {"optimizer": "adam"},
+    "training": dict.fromkeys(TRAINING_STATE_KEYS),
+    "mlflow_run_id": "x", "seconds": 1.0,
+}  # fmt: skip
+# What every reader of run checkpoints (train --checkpoint, benchmark and sweep --resume) refuses
+DAMAGED_CHECKPOINTS = {
+    **damaged_torch_files(OTHER_RUN_CHECKPOINT),
+    "another configuration": (torch_bytes(OTHER_RUN_CHECKPOINT), "another run configuration"),
+}

@@ -1,5 +1,5 @@
 """DP-AdamBC against the paper's equations, against torch.optim.Adam, under a real Opacus
-DPOptimizer, and end to end through `dpivon.training.train`."""
+DPOptimizer, and end to end through `dpivon.runs.train`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.errors import DpivonError
 from dpivon.optim.adambc import DPAdamBC
 from dpivon.optim.build import build_optimizer
-from dpivon.training import load_data, train
+from dpivon.runs import load_data, train
 
 DTYPE = torch.float64
 

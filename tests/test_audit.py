@@ -32,7 +32,7 @@ from dpivon.config import PRIVATE_OPTIMIZERS
 from dpivon.errors import DpivonError
 from dpivon.privacy import bookkeeping, noise, sampling
 from dpivon.privacy.engine import PER_SAMPLE_ENGINES
-from dpivon.training import TrainingSetup, build_training, load_data, train_step
+from dpivon.runs import TrainingSetup, build_training, load_data, train_step
 
 CPU = torch.device("cpu")
 runner = CliRunner()

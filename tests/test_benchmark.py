@@ -22,7 +22,7 @@ import pytest
 import ray
 import torch
 import yaml
-from damaged_files import damaged_torch_files, torch_bytes
+from damaged_files import DAMAGED_CHECKPOINTS
 from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
@@ -32,13 +32,21 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate_as_configured
 from dpivon.metrics import reliability_diagram
 from dpivon.models import build_model
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.process import enter_ray_worker
+from dpivon.runs import (
+    NOT_COVERED_METRICS,
+    TrainResult,
+    load_data,
+    released_metrics,
+    train,
+)
+from dpivon.saved_files import FORMAT_KEY
 from dpivon.shift import ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import RunRecord, aggregate, compare, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,
-    RunCheckpoint,
+    CheckpointPlace,
     run_benchmark,
     run_one,
     score_on_test,
@@ -48,13 +56,6 @@ from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
-from dpivon.training import (
-    NOT_COVERED_METRICS,
-    TrainResult,
-    load_data,
-    released_metrics,
-    train,
-)
 
 runner = CliRunner()
 
@@ -324,7 +325,7 @@ def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None
         patch.setattr("dpivon.study.benchmark.train", train_until_interrupted)
         with pytest.raises(KeyboardInterrupt):
             run_one(config, data, checkpoint)
-    assert checkpoint.load().state["epoch"] == 1
+    assert checkpoint.load().epoch == 1
 
 
 def resumed(config, data, checkpoint) -> tuple[TrainResult, list[int]]:
@@ -356,7 +357,7 @@ def test_threads_are_set_by_the_ray_worker_entry_never_by_the_run(tmp_path, two_
     entry sets the run's CPU share."""
     config = checkpoint_config(research_mode=True, epochs=1)
     spec = RunSpec("dp-sgd", 8.0, 0, config)
-    run_one(config, load_data(config), RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
+    run_one(config, load_data(config), CheckpointPlace.of(ResultsStorage(str(tmp_path), "a"), spec))
     assert torch.get_num_threads() == 2
     enter_ray_worker(1)
     assert torch.get_num_threads() == 1
@@ -370,8 +371,8 @@ def test_an_interrupted_run_continues_after_its_last_epoch_as_if_never_stopped(
     config = checkpoint_config(research_mode=True)
     data = load_data(config)
     spec = RunSpec("dp-ivon-gradsq", 8.0, 0, config)
-    whole = run_one(config, data, RunCheckpoint.of(SweepStorage(str(tmp_path), "a"), spec))
-    checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "b"), spec)
+    whole = run_one(config, data, CheckpointPlace.of(ResultsStorage(str(tmp_path), "a"), spec))
+    checkpoint = CheckpointPlace.of(ResultsStorage(str(tmp_path), "b"), spec)
     interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
     started = time.perf_counter()
     continued, epochs = resumed(config, data, checkpoint)
@@ -395,7 +396,7 @@ def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
     config = checkpoint_config(epochs=2)
     data = load_data(config)
     spec = RunSpec("dp-ivon-gradsq", 8.0, 0, config)
-    checkpoint = RunCheckpoint.of(SweepStorage(str(tmp_path), "bench"), spec)
+    checkpoint = CheckpointPlace.of(ResultsStorage(str(tmp_path), "bench"), spec)
     known_key = bytes(range(7, 39))
     with monkeypatch.context() as patch:
         patch.setattr("dpivon.privacy.noise.os_key", lambda: known_key)
@@ -403,8 +404,8 @@ def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
     stored = checkpoint.folder.read_bytes(checkpoint.name)
     assert known_key not in stored
     saved = checkpoint.load()
-    assert "key" not in saved.state["rng"]["randomness"]
-    assert all(name not in m for m in saved.state["history"] for name in NOT_COVERED_METRICS)
+    assert "key" not in saved.training["rng"]["randomness"]
+    assert all(name not in m for m in saved.training["history"] for name in NOT_COVERED_METRICS)
 
     first, _ = resumed(config, data, checkpoint)
     checkpoint.save(saved)  # the same file again, as a second reader of it would resume
@@ -416,13 +417,13 @@ def test_a_stored_checkpoint_holds_no_noise_key_and_a_resume_draws_a_fresh_one(
 def test_a_checkpoint_of_another_configuration_is_refused(tmp_path, monkeypatch):
     config = checkpoint_config(epochs=2)
     data = load_data(config)
-    storage = SweepStorage(str(tmp_path), "bench")
-    checkpoint = RunCheckpoint.of(storage, RunSpec("m", 8.0, 0, config))
+    storage = ResultsStorage(str(tmp_path), "bench")
+    checkpoint = CheckpointPlace.of(storage, RunSpec("m", 8.0, 0, config))
     interrupted_after_first_epoch(monkeypatch, config, data, checkpoint)
     changed = checkpoint_config(epochs=2, lr=0.5)
-    other = RunCheckpoint.of(storage, RunSpec("m", 8.0, 0, changed))
+    other = CheckpointPlace.of(storage, RunSpec("m", 8.0, 0, changed))
     assert other.name == checkpoint.name
-    with pytest.raises(DpivonError, match="another configuration of this run; delete it"):
+    with pytest.raises(DpivonError, match="another run configuration; delete it"):
         other.load()
 
 
@@ -486,18 +487,11 @@ def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message)
     assert message in result.output
 
 
-BENCHMARK_CHECKPOINT = {"config_hash": "0" * 16, "training": {}, "seconds": 1.0}
-DAMAGED_RUN_CHECKPOINTS = {
-    **damaged_torch_files(BENCHMARK_CHECKPOINT),
-    "another configuration": (torch_bytes(BENCHMARK_CHECKPOINT), "another configuration"),
-}
-
-
-@pytest.mark.parametrize("case", DAMAGED_RUN_CHECKPOINTS)
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
 def test_resume_names_a_damaged_run_checkpoint_before_mlflow_or_ray(tmp_path, case):
-    content, reason = DAMAGED_RUN_CHECKPOINTS[case]
+    content, reason = DAMAGED_CHECKPOINTS[case]
     pipeline = load_benchmark(write_benchmark(tmp_path, epsilons=[8]))
-    checkpoint = RunCheckpoint.of(pipeline.storage, pipeline.runs[-1])
+    checkpoint = CheckpointPlace.of(pipeline.storage, pipeline.runs[-1])
     checkpoint.folder.write_bytes(checkpoint.name, content)
     result = runner.invoke(app, ["benchmark", str(pipeline.path), "--resume"])
     assert result.exit_code == 2, result.output
@@ -685,7 +679,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
         key = child.data.tags[KEY_TAG]
         path = tmp_path / "runs" / pipeline.name / weights_file(key)
         stored = torch.load(path, map_location="cpu", weights_only=True)
-        assert set(stored) == {"config", "model_state", "posterior"}  # no noise key
+        assert set(stored) == {FORMAT_KEY, "config", "model_state", "posterior"}  # no noise key
         config, model, posterior = load_checkpoint(path)
         assert config.flat()["seed"] == int(child.data.params["seed"])
         assert (posterior is not None) == (config.optimizer.name == "dp-ivon-gradsq")
@@ -704,9 +698,9 @@ def test_resume_skips_finished_runs_and_reruns_the_rest(finished_benchmark, one_
     ended = {c.info.run_id: c.info.end_time for c in children}
     # ... after the run had checkpointed its (only) epoch
     spec = next(r for r in pipeline.runs if r.key == "dp-sgd|eps8|seed1")
-    checkpoint = RunCheckpoint.of(pipeline.storage, spec)
+    checkpoint = CheckpointPlace.of(pipeline.storage, spec)
     run_one(spec.config, load_data(spec.config), checkpoint)
-    assert checkpoint.load().state["epoch"] == 1
+    assert checkpoint.load().epoch == 1
 
     with pytest.raises(DpivonError, match="pass --resume"):
         run_benchmark(pipeline)
@@ -810,10 +804,10 @@ def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(
     said = " ".join(stderr.decode().split())
     assert f"{stopped.data.tags[KEY_TAG]} interrupted" in said  # stopped, not failed
     assert f"{stopped.data.tags[KEY_TAG]} failed" not in said and ", 1 failed" not in said
-    checkpoint = RunCheckpoint.of(pipeline.storage, next(
+    checkpoint = CheckpointPlace.of(pipeline.storage, next(
         r for r in pipeline.runs if r.key == stopped.data.tags[KEY_TAG]
     ))
-    kept = checkpoint.load().state["epoch"]
+    kept = checkpoint.load().epoch
     assert 1 <= kept < 6
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, timeout=600)
@@ -826,6 +820,7 @@ def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(
     assert not any(folder.glob("*.pt"))
 
 
+@pytest.mark.slow
 def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
     """A resume may add a method (the anchor control was added so): the parent then names
     every method and run it holds, and keeps the pipeline it ran last."""

@@ -1,5 +1,6 @@
-"""`dpivon export` on a sweep folder whose state, table or model file is damaged: one line
-naming the file, exit 2 (the readers' contract; the checkpoints' cases are in
+"""`dpivon export` on a sweep folder whose state, table or model file is damaged, and `dpivon
+sweep --resume` on one whose trial checkpoint is: one line naming the file, exit 2, no run
+(the readers' contract; `train --checkpoint`'s and the benchmark's cases are in
 test_train_checkpoint.py and test_benchmark.py)."""
 
 from __future__ import annotations
@@ -8,13 +9,22 @@ import json
 import os
 
 import pytest
+from damaged_files import DAMAGED_CHECKPOINTS
+from sweep_helpers import write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
-from dpivon.config import TrainConfig
+from dpivon.config import TrainConfig, parse_config
+from dpivon.errors import DpivonError
 from dpivon.models import build_model
+from dpivon.runs import RunCheckpoint
+from dpivon.runs.checkpoint import TRAINING_STATE_KEYS
+from dpivon.search.groups import sweep_groups
+from dpivon.search.pipeline import load_pipeline
+from dpivon.search.results import group_name
+from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, _check_resume_files
 from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE
-from dpivon.search.trial import MODEL_FILE
+from dpivon.search.trial import MODEL_FILE, RESUME_FILE
 from dpivon.tracking.checkpoints import save_checkpoint
 
 COLUMNS = "trial_id,group,optimizer,epsilon,checkpoint,val_accuracy,val_ece"
@@ -63,3 +73,47 @@ def test_export_names_the_damaged_file_of_a_sweep_folder(tmp_path, case):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and os.path.basename(damaged) in lines[0], result.output
     assert "Traceback" not in result.output and not out.exists()
+
+
+def interrupted_sweep(tmp_path):
+    """A sweep whose driver was lost: its state, and where a trial's checkpoint lies."""
+    pipeline = load_pipeline(write_pipeline(tmp_path))
+    state = SweepState(
+        name=pipeline.name, pipeline_path=str(pipeline.path), tracking_uri="sqlite:///x.db",
+        experiment=pipeline.experiment, parent_run_id="p",
+        objectives=[["val_accuracy", "max"], ["val_ece", "min"]],
+        trial_epsilons={group_name(o, e): e for o, e in pipeline.groups},
+    )  # fmt: skip
+    state.save(pipeline.storage)
+    return pipeline, f"{TUNE_EXPERIMENT}/trial_1/checkpoint_000000/{RESUME_FILE}"
+
+
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
+def test_sweep_resume_names_a_damaged_trial_checkpoint_before_mlflow_or_ray(tmp_path, case):
+    content, reason = DAMAGED_CHECKPOINTS[case]
+    pipeline, name = interrupted_sweep(tmp_path)
+    pipeline.storage.write_bytes(name, content)
+    result = CliRunner().invoke(app, ["sweep", str(pipeline.path), "--resume"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and reason in lines[0], result.output
+    assert pipeline.storage.location(name) in lines[0]
+    assert not (tmp_path / "mlflow.db").exists()  # no store opened, let alone a run
+
+
+def test_a_trial_checkpoint_of_the_sweep_passes_the_resume_check(tmp_path):
+    """Any searched values and seed of a group's trials: the check refuses only what is of
+    no group (the trial itself checks its exact configuration when it resumes)."""
+    pipeline, name = interrupted_sweep(tmp_path)
+    counts = pipeline.trial_counts()
+    groups = sweep_groups(pipeline, SweepState.load(pipeline.storage).trial_epsilons, counts)
+    group = groups[-1]
+    assert "lr" in group.space.names
+    config = parse_config({**group.base_config, "seed": 12345, "lr": 0.0123})
+    training = dict.fromkeys(TRAINING_STATE_KEYS)
+    pipeline.storage.write_bytes(name, RunCheckpoint(config.flat(), training).to_bytes())
+    _check_resume_files(pipeline.storage, groups)
+    changed = config.replace(epochs=config.training.epochs + 1)
+    pipeline.storage.write_bytes(name, RunCheckpoint(changed.flat(), training).to_bytes())
+    with pytest.raises(DpivonError, match="another run configuration than this sweep"):
+        _check_resume_files(pipeline.storage, groups)

@@ -342,6 +342,7 @@ def test_load_splits(tarball: Path) -> None:
 # --- the real data set ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_real_cifar10_tarball(tmp_path: Path) -> None:
     candidates = [Path(p) for p in (REAL_DATA_ENV,) if p]
     candidates.append(REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz")

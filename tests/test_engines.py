@@ -27,8 +27,8 @@ from dpivon.privacy.bookkeeping import (
 )
 from dpivon.privacy.engine import make_private, plan_privacy, resolve_engine
 from dpivon.privacy.noise import SeededRandomness
+from dpivon.runs import build_training, load_data, resolve_device, train, train_step
 from dpivon.search.space import load_search_space
-from dpivon.training import build_training, load_data, resolve_device, train, train_step
 
 ENGINES = ("bk", "functorch", "ew", "ghost")
 N_TRAIN = 48

@@ -34,7 +34,7 @@ from dpivon.optim.ivon import (
     pooled_noise_corrected_squared_gradient,
     shrunk_squared_gradient,
 )
-from dpivon.training import train
+from dpivon.runs import train
 
 DTYPE = torch.float64
 ESTIMATOR_SETTINGS = {

@@ -27,7 +27,7 @@ from dpivon.evaluation import (
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON
 from dpivon.process import ALLOCATOR_ENV, keep_freed_memory
-from dpivon.training import PHASES, load_data, train
+from dpivon.runs import PHASES, load_data, train
 
 SMALL = {
     "dataset": "synthetic",

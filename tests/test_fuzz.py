@@ -760,7 +760,7 @@ class _Reached(Exception):
 
 
 # Where each command would start work: reaching one of these means it accepted the input
-WORK_STARTS = ("dpivon.training.load_data", "dpivon.tracking.client.Tracker",
+WORK_STARTS = ("dpivon.runs.load_data", "dpivon.tracking.client.Tracker",
                "dpivon.search.sweep.run_sweep", "dpivon.study.benchmark.run_benchmark")  # fmt: skip
 
 

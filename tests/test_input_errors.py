@@ -53,7 +53,7 @@ def one_line(result) -> str:
 # For each command: its arguments (tmp_path for {tmp}) and a function it calls, which the
 # test makes raise; the object the error line must name.
 COMMANDS = {
-    "train": (SYNTHETIC_TRAIN, "dpivon.training.load_data", "dp-sgd"),
+    "train": (SYNTHETIC_TRAIN, "dpivon.runs.load_data", "dp-sgd"),
     "sweep": (["sweep", "{tmp}/p.yaml"], "dpivon.search.pipeline.load_pipeline", "p.yaml"),
     "export": (["export", "some-sweep", "--out={tmp}/x.yaml"],
                "dpivon.search.export.resolve_sweep", "some-sweep"),

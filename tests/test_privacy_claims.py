@@ -23,12 +23,12 @@ from dpivon.cli import app
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
 from dpivon.optim.ivon import DPIVON, hessian_update, price_hessian
-from dpivon.privacy.accounting import check_plan_reachable, classic_rdp_epsilon, epsilon_spent
+from dpivon.privacy.accounting import classic_rdp_epsilon, epsilon_spent
 from dpivon.privacy.engine import make_private, plan_privacy
 from dpivon.privacy.noise import SeededRandomness
 from dpivon.privacy.sampling import PoissonBatches
+from dpivon.runs import build_training, check_plan_reachable, load_data, train, train_step
 from dpivon.search.trial import trial_seed
-from dpivon.training import build_training, load_data, train, train_step
 
 CPU = torch.device("cpu")
 # 930 training examples at batch 10 is 93 batches, one of the counts where Opacus 1.6's loader
@@ -195,6 +195,7 @@ def test_trials_of_a_sweep_draw_independent_noise_even_in_research_mode():
     assert correlation(noise_a, same / 2.0) == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_noise_instead_of_replaying_it():
     """Checkpoint (through torch.save / weights_only load) after epoch 1, resume: the model
     equals the uninterrupted run's, which it could not if epoch 2 replayed epoch 1's noise.

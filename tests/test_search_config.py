@@ -916,8 +916,8 @@ def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_g
     tmp_path,
 ):
     from dpivon.privacy.accounting import epsilon_spent
+    from dpivon.runs import privacy_plan
     from dpivon.search.export import target_config
-    from dpivon.training import privacy_plan
 
     pipeline = load_pipeline(_noise_faithful_pipeline(tmp_path))
     n = pipeline.data.train_size  # 540

@@ -31,7 +31,7 @@ from dpivon.privacy.noise import (
     SeededRandomness,
     gaussian_noise,
 )
-from dpivon.training import build_training, load_data, train_step
+from dpivon.runs import build_training, load_data, train_step
 
 CPU = torch.device("cpu")
 runner = CliRunner()

@@ -26,6 +26,7 @@ from dpivon.data.corruptions import CORRUPTIONS, corrupt_images, load_corrupted
 from dpivon.errors import DpivonError
 from dpivon.models import build_model
 from dpivon.prediction import Predictions
+from dpivon.runs import load_data, train
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.sweep import run_sweep
 from dpivon.selective import (
@@ -46,7 +47,6 @@ from dpivon.shift import (
 )
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.served_model import load_scored_model
-from dpivon.training import load_data, train
 
 # --- the corrupted sets ----------------------------------------------------------------------
 

@@ -15,14 +15,15 @@ import yaml
 
 from dpivon.config import parse_config
 from dpivon.errors import DpivonError
-from dpivon.orchestration.storage import SweepStorage, local_copy
-from dpivon.privacy.tuning import SweepConditions, TrialMechanism, tuning_privacy_report
+from dpivon.orchestration.storage import ResultsStorage, local_copy
+from dpivon.privacy.tuning import SweepConditions, TrialMechanism
+from dpivon.privacy.tuning_report import tuning_privacy_report
+from dpivon.runs import train
 from dpivon.search.export import export_configs, load_results, resolve_sweep, trial_config
 from dpivon.search.sweep import SweepState
 from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking.checkpoints import save_checkpoint
-from dpivon.training import train
 
 
 def _root(kind: str, tmp_path, s3, monkeypatch) -> str:
@@ -41,7 +42,7 @@ def _root(kind: str, tmp_path, s3, monkeypatch) -> str:
 
 @pytest.mark.parametrize("kind", ["local", "file-uri", "s3-env", "s3-query"])
 def test_round_trip(kind, tmp_path, s3, monkeypatch):
-    storage = SweepStorage(_root(kind, tmp_path, s3, monkeypatch), "sweep")
+    storage = ResultsStorage(_root(kind, tmp_path, s3, monkeypatch), "sweep")
     assert not storage.exists() and not storage.exists(SweepState.file_name)
     assert storage.listdir() == []
     storage.write_text(SweepState.file_name, '{"name": "sweep"}')
@@ -62,9 +63,9 @@ def test_round_trip(kind, tmp_path, s3, monkeypatch):
     assert storage.name_of(checkpoint) == "tune/trial_0/checkpoint_000001"
     assert storage.location(storage.name_of(checkpoint)) == checkpoint
     with pytest.raises(DpivonError, match="is not in"):
-        storage.name_of(SweepStorage(storage.storage_path, "other").uri)
+        storage.name_of(ResultsStorage(storage.storage_path, "other").uri)
     # the same sweep, found from its folder, and after a round trip through pickle (Tune)
-    for again in (SweepStorage.at(storage.uri), pickle.loads(pickle.dumps(storage))):
+    for again in (ResultsStorage.at(storage.uri), pickle.loads(pickle.dumps(storage))):
         assert (again.uri, again.name) == (storage.uri, "sweep")
         assert again.read_bytes("tune/trial_0/checkpoint_000001/model.pt") == b"\x00weights"
 
@@ -75,9 +76,9 @@ def test_round_trip(kind, tmp_path, s3, monkeypatch):
 
 def test_storage_errors_are_one_line(tmp_path, s3):
     with pytest.raises(DpivonError, match="holds credentials") as err:
-        SweepStorage("s3://key:secret@bucket/runs", "sweep")
+        ResultsStorage("s3://key:secret@bucket/runs", "sweep")
     assert "secret" not in str(err.value)
-    missing = SweepStorage("s3://no-such-bucket/runs", "sweep")
+    missing = ResultsStorage("s3://no-such-bucket/runs", "sweep")
     with pytest.raises(DpivonError, match="cannot write s3://no-such-bucket/runs/sweep/x") as err:
         missing.write_text("x", "y")
     assert "\n" not in str(err.value)
@@ -87,7 +88,7 @@ def test_storage_errors_are_one_line(tmp_path, s3):
         resolve_sweep(f"s3://{s3.bucket}/runs/absent")
 
 
-def _trained_checkpoint(storage: SweepStorage, trial: str, lr: float, tmp_path):
+def _trained_checkpoint(storage: ResultsStorage, trial: str, lr: float, tmp_path):
     """A real (one-epoch, synthetic) trial's final checkpoint, uploaded as Tune leaves it."""
     config = parse_config({"dataset": "synthetic", "synthetic_size": 400, "val_size": 40,
                            "model": "small-cnn", "optimizer": "dp-sgd", "epsilon": 8.0,
@@ -105,7 +106,7 @@ def _trained_checkpoint(storage: SweepStorage, trial: str, lr: float, tmp_path):
 def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
     """`dpivon export`'s path: the state, the tables, the tuning report and the trials'
     checkpoints all come from the bucket (nothing of the sweep is on the local disk)."""
-    storage = SweepStorage(f"s3://{s3.bucket}/runs", "remote")
+    storage = ResultsStorage(f"s3://{s3.bucket}/runs", "remote")
     objectives = [("val_accuracy", "max"), ("val_ece", "min")]
     rows, mechanisms, configs = [], [], {}
     for trial, lr in (("t0", 0.5), ("t1", 2.0)):
@@ -171,8 +172,9 @@ def test_mlflow_artifacts_go_to_the_bucket(tmp_path, s3, postgres, mlflow_server
 def test_trial_ids_of_digits_only_read_back_as_text(tmp_path):
     """Tune's trial ids can be all digits: read as numbers, "06927759" would lose its zero
     and name no trial (the exported config's provenance, `tuned_by`)."""
-    storage = SweepStorage(str(tmp_path), "digits")
-    rows = pd.DataFrame([{"trial_id": "06927759", "run_id": "0123", "group": "eps8-dp-sgd"}])
+    storage = ResultsStorage(str(tmp_path), "digits")
+    rows = pd.DataFrame([{"trial_id": "06927759", "run_id": "0123", "group": "eps8-dp-sgd",
+                          "optimizer": "dp-sgd", "epsilon": 8.0, "checkpoint": "trials/t"}])
     for name in (TRIALS_FILE, FRONT_FILE):
         storage.write_text(name, rows.to_csv(index=False))
     for table in load_results(storage):

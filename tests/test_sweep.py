@@ -32,13 +32,14 @@ from dpivon.cli import app
 from dpivon.config import load_configs
 from dpivon.data import DataSplits
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
+from dpivon.runs import load_data, train
+from dpivon.saved_files import FORMAT_KEY
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
 from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.checkpoints import load_checkpoint
-from dpivon.training import load_data, train
 
 runner = CliRunner()
 
@@ -549,8 +550,8 @@ def test_a_default_sweep_releases_models_no_retrain_reproduces(finished_sweep, t
     assert "No DP guarantee" not in parent.data.tags["mlflow.note.content"]
     released = released_models(sweep_tmp, pipeline)
     assert released
-    for run_id, state, _ in released:
-        assert state.keys() == {"config", "model_state", "posterior"}  # no randomness state
+    for run_id, state, _ in released:  # no randomness state in a released model
+        assert state.keys() == {FORMAT_KEY, "config", "model_state", "posterior"}
         assert state["config"]["privacy"]["research_mode"] is False
         assert client.get_run(run_id).data.tags["dpivon.noise"].startswith("secure")
     # No resume state (in secure mode it holds the key) outlives the sweep in its folder.

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from sweep_helpers import REPO, write_pipeline
 
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
 DP_SGD = str(REPO / "search_spaces/quickstart/dp-sgd.yaml")
@@ -69,7 +69,7 @@ def test_sweep_on_a_cluster_with_a_tracking_server(tmp_path, s3, postgres, mlflo
     assert not (tmp_path / "mlflow.db").exists()  # nothing went to a local store
 
     # the sweep's state, reports and checkpoints are in the bucket, and export reads them
-    storage = SweepStorage(storage_path, "topology")
+    storage = ResultsStorage(storage_path, "topology")
     assert {"sweep.json", "trials.csv", "pareto_front.csv", "tuning_privacy.json"} <= set(
         storage.listdir())
     for child in children:

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from damaged_files import damaged_torch_files, torch_bytes
+from damaged_files import DAMAGED_CHECKPOINTS
 from mlflow.tracking import MlflowClient
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
@@ -103,16 +103,9 @@ def test_a_checkpoint_whose_unpickling_runs_code_is_refused_and_runs_nothing(tmp
 
 
 
-FORGED = {"config": {"optimizer": "adam"}, "mlflow_run_id": "x", "training": {}}
-DAMAGED = {
-    **damaged_torch_files(FORGED),
-    "another configuration": (torch_bytes(FORGED), "another run configuration"),
-}
-
-
-@pytest.mark.parametrize("case", DAMAGED)
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_it_and_opens_no_run(tmp_path, case):
-    content, reason = DAMAGED[case]
+    content, reason = DAMAGED_CHECKPOINTS[case]
     (tmp_path / "ck.pt").write_bytes(content)
     ran = _train(tmp_path, "--checkpoint", "ck.pt")
     assert ran.returncode == 2, ran.stderr
@@ -122,6 +115,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_it_and_opens_no_run(
     assert not store.exists() or not MlflowClient(f"sqlite:///{store}").search_runs(["0"])
 
 
+@pytest.mark.slow
 def test_a_sigtermed_run_ends_killed_in_one_line(tmp_path):
     """SIGTERM (a scheduler's stop, `kill`) stops `train` as Ctrl-C does: its MLflow run ends
     KILLED, not RUNNING, with one line and exit code 143."""

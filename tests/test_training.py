@@ -12,14 +12,14 @@ import yaml
 from fault_injection import InjectedFailure, fail_after
 from typer.testing import CliRunner
 
-from dpivon import training
+from dpivon import runs
 from dpivon.cli import app
 from dpivon.config import OPTIMIZER_NAMES, parse_config
 from dpivon.data import CIFAR10_CLASSES
 from dpivon.errors import DpivonError
 from dpivon.models import build_model
 from dpivon.optim.registry import OPTIMIZERS
-from dpivon.training import TrainingDiverged, load_data, train
+from dpivon.runs import TrainingDiverged, load_data, train
 
 SMALL = {
     "dataset": "synthetic",
@@ -96,7 +96,7 @@ def test_cli_trains_every_optimizer(tmp_path, optimizer):
     assert summary.keys() >= REQUIRED_KEYS
     assert summary["optimizer"] == optimizer
     # Every weight tensor left its initialisation (the seed-0 model the run started from).
-    training.seed_everything(0)
+    runs.seed_everything(0)
     initial = build_model("small-cnn").state_dict()
     trained = torch.load(tmp_path / "run.ckpt", weights_only=False)["training"]["model"]
     unmoved = [name for name, p in initial.items() if torch.equal(trained[name], p)]
@@ -179,12 +179,12 @@ def test_training_is_reproducible_and_resumable():
 def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     config = tmp_path / "fail.yaml"
     config.write_text(yaml.safe_dump({**SMALL, "optimizer": "dp-sgd", "epochs": 2}))
-    real_train = training.train
+    real_train = runs.train
 
     def failing_train(*args, on_epoch_end=None, **kwargs):
         return real_train(*args, on_epoch_end=fail_after(1, on_epoch_end), **kwargs)
 
-    monkeypatch.setattr(training, "train", failing_train)
+    monkeypatch.setattr(runs, "train", failing_train)
     result = cli(
         "train", "--config", str(config), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"
     )

@@ -15,19 +15,18 @@ from dpivon.privacy.tuning import (
     ORDERS,
     SweepConditions,
     TrialMechanism,
-    _max_rdp_curve,
     _repeat_and_select_epsilon_from_curve,
     candidate_mechanisms,
     check_tuning_cost,
     composition_epsilon,
-    composition_facts,
     epsilon_from_rdp,
+    max_rdp_curve,
     random_trials_epsilon,
     solve_trial_epsilon,
     trial_epsilon,
-    tuning_privacy_report,
     worst_case_tuning_epsilon,
 )
+from dpivon.privacy.tuning_report import composition_facts, tuning_privacy_report
 
 DELTA = 1e-5
 # The brief's checked setting: q 0.01, sigma 0.548, 300 steps, delta 1e-5.
@@ -62,7 +61,7 @@ def test_max_curve_path_equals_repeat_and_select_event(distribution, shape, mean
     direct = RdpAccountant(orders=ORDERS)
     direct.compose(dp_event.RepeatAndSelectDpEvent(BRIEF.event(), mean, shape))
     via_curve = _repeat_and_select_epsilon_from_curve(
-        _max_rdp_curve([BRIEF, BRIEF]), mean, shape, DELTA
+        max_rdp_curve([BRIEF, BRIEF]), mean, shape, DELTA
     )
     assert via_curve == pytest.approx(direct.get_epsilon(DELTA), rel=1e-12)
     assert random_trials_epsilon(
@@ -223,9 +222,9 @@ def test_candidate_chunks_dominate_every_batch_size_of_the_space():
     chunked = candidate_mechanisms(sizes, max_candidates=3, **setting)
     assert len(chunked) == 3
     exact = candidate_mechanisms(sizes[::10], max_candidates=100, **setting)
-    worst = _max_rdp_curve(chunked)
+    worst = max_rdp_curve(chunked)
     for mechanism in exact:
-        assert (_max_rdp_curve([mechanism]) <= worst + 1e-12).all()
+        assert (max_rdp_curve([mechanism]) <= worst + 1e-12).all()
     assert epsilon_from_rdp(worst, DELTA) > 4.0  # a bound, hence above each trial's epsilon
 
 

@@ -41,7 +41,7 @@ from dpivon.config import (
 from dpivon.constraints import Bool, Bound, Epsilon, Float, Int, Probability
 from dpivon.errors import DpivonError
 from dpivon.optim.registry import OPTIMIZERS
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.accounting import check_delta
 
 __all__ = [
@@ -180,9 +180,9 @@ class RunFile(StrictModel):
         return self._source_text
 
     @property
-    def storage(self) -> SweepStorage:
+    def storage(self) -> ResultsStorage:
         """Its folder ``<storage_path>/<name>`` (state file, results), wherever stored."""
-        return SweepStorage(self.storage_path, self.name)
+        return ResultsStorage(self.storage_path, self.name)
 
     @classmethod
     def read(cls, path: Path) -> Self:

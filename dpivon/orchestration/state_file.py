@@ -1,7 +1,7 @@
 """The state file of a sweep or benchmark: what a resumed driver reads back.
 
 One JSON object in the run's folder (``sweep.json``, ``benchmark.json``), written and read
-through :class:`~dpivon.orchestration.storage.SweepStorage`, so wherever the folder is
+through :class:`~dpivon.orchestration.storage.ResultsStorage`, so wherever the folder is
 stored (a local disk, ``s3://``, ``gs://``). It names the parent MLflow run, never a
 password (a resume is given the tracking URI again).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Self
 
 from dpivon.errors import DpivonError
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 
 
 @dataclass
@@ -32,11 +32,11 @@ class RunState:
     parent_run_id: str
 
     @classmethod
-    def exists(cls, storage: SweepStorage) -> bool:
+    def exists(cls, storage: ResultsStorage) -> bool:
         return storage.exists(cls.file_name)
 
     @classmethod
-    def load(cls, storage: SweepStorage) -> Self:
+    def load(cls, storage: ResultsStorage) -> Self:
         """The state in ``storage``; keys this version does not know (an older driver's)
         are ignored, missing ones are one line naming the file."""
         state = storage.read_json(cls.file_name)
@@ -49,5 +49,5 @@ class RunState:
                 f"({type(err).__name__}: {err}); a damaged {cls.kind} file"
             ) from None
 
-    def save(self, storage: SweepStorage) -> None:
+    def save(self, storage: ResultsStorage) -> None:
         storage.write_text(self.file_name, json.dumps(dataclasses.asdict(self), indent=2))

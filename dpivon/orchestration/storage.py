@@ -20,8 +20,8 @@ the driver, the trials on every node and ``dpivon export`` see the same files:
 
 API (``name`` arguments are paths relative to the folder, ``/``-separated)::
 
-    storage = SweepStorage(pipeline.storage_path, pipeline.name)
-    SweepStorage.at("s3://bucket/prefix/quickstart")   # the same, from the folder itself
+    storage = ResultsStorage(pipeline.storage_path, pipeline.name)
+    ResultsStorage.at("s3://bucket/prefix/quickstart")   # the same, from the folder itself
     storage.uri                       # the folder as a URI (a plain path when local): show it
     storage.is_local
     tune.RunConfig(name=experiment, storage_path=storage.path,
@@ -57,7 +57,7 @@ from dpivon.errors import DpivonError
 from dpivon.paths import check_writable_folder
 from dpivon.tracking.client import redact_uri
 
-__all__ = ["SweepStorage", "local_copy", "open_uri"]
+__all__ = ["ResultsStorage", "local_copy", "open_uri"]
 
 
 def _is_uri(location: str) -> bool:
@@ -80,7 +80,7 @@ def _one_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-class SweepStorage:
+class ResultsStorage:
     """The folder ``<storage_path>/<name>`` of one sweep (or benchmark), on whatever
     filesystem it is."""
 
@@ -105,7 +105,7 @@ class SweepStorage:
         self.is_local = isinstance(self.filesystem, pafs.LocalFileSystem)
 
     @classmethod
-    def at(cls, location: str) -> SweepStorage:
+    def at(cls, location: str) -> ResultsStorage:
         """The sweep whose folder is ``location`` itself (a path or a URI)."""
         if not _is_uri(location):
             folder = Path(location).expanduser().resolve()
@@ -116,10 +116,10 @@ class SweepStorage:
 
     def __reduce__(self):
         # Pickled with Tune callbacks: rebuilt from its inputs, not from a live client.
-        return (SweepStorage, (self.storage_path, self.name))
+        return (ResultsStorage, (self.storage_path, self.name))
 
     def __repr__(self) -> str:
-        return f"SweepStorage({self.uri!r})"
+        return f"ResultsStorage({self.uri!r})"
 
     @property
     def uri(self) -> str:
@@ -230,17 +230,24 @@ class SweepStorage:
             if self.exists(name):
                 self.filesystem.delete_file(self._full(name))
 
+    def files_named(self, folder: str, filename: str) -> list[str]:
+        """Every file called ``filename`` anywhere under ``folder``, as names in this storage."""
+        selector = pafs.FileSelector(self._full(folder), allow_not_found=True, recursive=True)
+        with self._errors("list", folder):
+            infos = self.filesystem.get_file_info(selector)
+        root = self._full("")
+        return sorted(
+            info.path.removeprefix(root).lstrip("/")
+            for info in infos
+            if info.type == pafs.FileType.File and info.base_name == filename
+        )
+
     def remove_files_named(self, folder: str, filename: str) -> int:
         """Delete every file called ``filename`` anywhere under ``folder``; how many."""
-        selector = pafs.FileSelector(self._full(folder), allow_not_found=True, recursive=True)
+        found = self.files_named(folder, filename)
         with self._errors("clean", folder):
-            found = [
-                info.path
-                for info in self.filesystem.get_file_info(selector)
-                if info.type == pafs.FileType.File and info.base_name == filename
-            ]
-            for path in found:
-                self.filesystem.delete_file(path)
+            for name in found:
+                self.filesystem.delete_file(self._full(name))
         return len(found)
 
     def listdir(self, name: str = "") -> list[str]:

@@ -17,9 +17,9 @@ from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
-from dpivon.config import AccountantName, TrainConfig
 from dpivon.constraints import Epsilon, check_bound
 from dpivon.errors import DpivonError
+from dpivon.privacy.names import AccountantName
 
 ACCOUNTANTS: tuple[str, ...] = get_args(AccountantName)
 # Bisection precision: calibrated sigma spends epsilon in [target - tol, target].
@@ -139,29 +139,6 @@ def check_fixed_noise_fits(
             f"budget epsilon {target_epsilon:g}; raise noise_multiplier or epsilon"
         )
     return spent
-
-
-def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> None:
-    """For a private run of ``config`` (at ``batch_size`` if given: the largest of a search
-    space), before any data is loaded: :func:`check_reachable`, or for a fixed noise
-    multiplier :func:`check_fixed_noise_fits`."""
-    batch = config.training.batch_size if batch_size is None else batch_size
-    if not 0 < batch <= config.data.train_size:
-        return  # no sampling rate; the batch checks say what is wrong
-    sample_rate, steps_per_epoch = sampling_schedule(config.data.train_size, batch)
-    privacy = config.privacy
-    steps = config.training.epochs * (config.training.steps_per_epoch or steps_per_epoch)
-    if privacy.fixed_noise_multiplier is not None:
-        check_fixed_noise_fits(
-            privacy.fixed_noise_multiplier,
-            privacy.epsilon,
-            privacy.delta,
-            sample_rate,
-            steps,
-            privacy.accountant,
-        )
-        return
-    check_reachable(privacy.epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
 
 
 def epsilon_spent(

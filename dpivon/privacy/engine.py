@@ -36,7 +36,6 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
-from dpivon.config import EngineName, PerSampleEngine, check_engine_samples
 from dpivon.errors import DpivonError
 from dpivon.privacy.accounting import (
     calibrate_noise_multiplier,
@@ -51,6 +50,7 @@ from dpivon.privacy.bookkeeping import (
     trainable_layers,
     unsupported_layers,
 )
+from dpivon.privacy.names import EngineName, PerSampleEngine, check_engine_samples
 from dpivon.privacy.noise import NoiseFromRandomness, Randomness
 from dpivon.privacy.sampling import PoissonBatches
 

@@ -13,7 +13,7 @@ releases more than one trial's epsilon:
   A fixed K gets no such discount.
 
 Before a sweep with a total budget, :func:`solve_trial_epsilon_within` finds what each
-trial may spend; after it, :func:`tuning_privacy_report` states what the trials cost. All
+trial may spend; after it, `dpivon.privacy.tuning_report` states what the trials cost. All
 numbers come from Google's ``dp_accounting`` RDP accountant; nothing is re-derived here.
 """
 
@@ -23,7 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from dp_accounting import dp_event
@@ -94,7 +94,7 @@ class TrialMechanism:
         return dp_event.ComposedDpEvent([training, scores])
 
 
-def _check_delta(delta: float) -> None:
+def check_delta(delta: float) -> None:
     if not 0 < delta < 1:
         raise DpivonError(f"delta must be in (0, 1); got {delta}")
 
@@ -107,7 +107,7 @@ def _epsilon(event: dp_event.DpEvent, delta: float) -> float:
 
 def trial_epsilon(trial: TrialMechanism, delta: float) -> float:
     """Epsilon of one trial's training alone."""
-    _check_delta(delta)
+    check_delta(delta)
     if not trial.private:
         return math.inf
     return _epsilon(trial.event(), delta)
@@ -119,7 +119,7 @@ def composition_epsilon(trials: Sequence[TrialMechanism], delta: float) -> float
     RDP composition of every trial's event; valid under adaptive choice of each trial's
     hyper-parameters from earlier results (TPE, NSGA-II). No trials cost nothing (0.0).
     """
-    _check_delta(delta)
+    check_delta(delta)
     if not trials:
         return 0.0
     if not all(t.private for t in trials):
@@ -127,19 +127,19 @@ def composition_epsilon(trials: Sequence[TrialMechanism], delta: float) -> float
     return _epsilon(dp_event.ComposedDpEvent([t.event() for t in trials]), delta)
 
 
-def _event_rdp(event: dp_event.DpEvent) -> np.ndarray:
+def event_rdp(event: dp_event.DpEvent) -> np.ndarray:
     accountant = RdpAccountant(orders=ORDERS)
     accountant.compose(event)
     return np.asarray(accountant.rdp, dtype=np.float64)
 
 
 def _rdp_curve(trial: TrialMechanism) -> np.ndarray:
-    return _event_rdp(trial.event())
+    return event_rdp(trial.event())
 
 
 def epsilon_from_rdp(rdp: Sequence[float], delta: float) -> float:
     """Epsilon at ``delta`` of an RDP curve on ``ORDERS``."""
-    _check_delta(delta)
+    check_delta(delta)
     return float(_rdp.compute_epsilon(ORDERS, np.asarray(rdp, dtype=np.float64), delta)[0])
 
 
@@ -178,7 +178,7 @@ def compose_with_tuning(
     return epsilon_from_rdp(_rdp_curve(production) + np.asarray(tuning_rdp), delta)
 
 
-def _max_rdp_curve(trials: Sequence[TrialMechanism]) -> np.ndarray:
+def max_rdp_curve(trials: Sequence[TrialMechanism]) -> np.ndarray:
     """Order-wise max of the trials' RDP curves on ``ORDERS``.
 
     Joint quasi-convexity of the Renyi divergence: the mechanism Q "draw hyper-parameters
@@ -202,7 +202,7 @@ def _repeat_and_select_epsilon_from_curve(
     return float(_rdp.compute_epsilon(ORDERS, curve, delta)[0])
 
 
-def _shape(distribution: str) -> float:
+def trial_count_shape(distribution: str) -> float:
     if distribution not in DISTRIBUTIONS:
         raise DpivonError(
             f"unknown distribution of the number of trials {distribution!r}; choose one of: "
@@ -224,8 +224,8 @@ def random_trials_epsilon(
     produce, not only those it happened to draw. Identical trials use
     ``RepeatAndSelectDpEvent`` directly; heterogeneous ones the order-wise max RDP curve.
     """
-    _check_delta(delta)
-    shape = _shape(distribution)
+    check_delta(delta)
+    shape = trial_count_shape(distribution)
     if not trials:
         raise DpivonError("random_trials_epsilon needs at least one trial mechanism")
     if not (mean >= 1 and math.isfinite(mean)):
@@ -236,7 +236,7 @@ def random_trials_epsilon(
     if len(distinct) == 1:
         event = dp_event.RepeatAndSelectDpEvent(next(iter(distinct)).event(), mean, shape)
         return _epsilon(event, delta)
-    return _repeat_and_select_epsilon_from_curve(_max_rdp_curve(trials), mean, shape, delta)
+    return _repeat_and_select_epsilon_from_curve(max_rdp_curve(trials), mean, shape, delta)
 
 
 # Which outputs of a sweep a reader of its results sees (the threat model's "release").
@@ -344,154 +344,6 @@ def candidate_mechanisms(
     return candidates
 
 
-def composition_facts(trials: Sequence[TrialMechanism], delta: float) -> dict[str, Any]:
-    """The RDP composition of the trials that ran, with their number: valid whatever was
-    released, but it reveals how many trials ran, so where the random-trials bound is
-    quoted these stay in the sweep's private state (a pick other than the declared one
-    falls back on them)."""
-    curve = (
-        _event_rdp(dp_event.ComposedDpEvent([t.event() for t in trials]))
-        if trials
-        else np.zeros(len(ORDERS))
-    )
-    return {
-        "num_trials": len(trials),
-        "composition_epsilon": composition_epsilon(trials, delta),
-        "composition_rdp": [float(v) for v in curve],
-    }
-
-
-def _accountant_note(accountant: str) -> str:
-    if accountant == "rdp":
-        return ""
-    return (
-        f" The trials were calibrated with {accountant.upper()}; these bounds compose RDP "
-        "curves (dp_accounting) because the random-trials bound and the composition with a "
-        f"production run need RDP, which {accountant.upper()} does not give: RDP is the "
-        "conservative side (a trial's RDP epsilon is at least its epsilon_spent)."
-    )
-
-
-@dataclass(frozen=True)
-class _QuotedBound:
-    """One bound of a tuning report: its entries, its RDP curve, its name and why it holds."""
-
-    entries: dict[str, Any]
-    curve: Sequence[float]
-    name: str  # the entry that holds the quoted epsilon
-    why: str
-
-
-def _threat_model(
-    conditions: SweepConditions, covered: Sequence[TrialMechanism]
-) -> dict[str, Any]:
-    """How the group's trials were chosen, what is released, which records are covered."""
-    noised = bool(covered) and all(t.private_validation for t in covered)
-    return {
-        "trial_count": conditions.trial_count,
-        "mean_trials": conditions.mean_trials,
-        "adaptive": conditions.adaptive,
-        "release": conditions.release,
-        "accountant": "rdp",
-        "records_covered": (
-            "training and validation records (validation scores are noised)"
-            if noised
-            else "training records only: validation scores are exact, so the validation "
-            "records that steer selection have no DP protection"
-        ),
-        "outputs_covered": RELEASES[conditions.release],
-    }
-
-
-def _composition_bound(
-    trials: Sequence[TrialMechanism],
-    delta: float,
-    conditions: SweepConditions,
-    obstacles: list[str],
-) -> _QuotedBound:
-    """The RDP composition of the trials that ran: valid under adaptivity, whatever ran."""
-    n = len(trials)
-    if n == 0 and conditions.trial_count == "fixed":
-        raise DpivonError("no trial to account for: the sweep ran no trial")
-    facts = composition_facts(trials, delta)
-    entries = {
-        "per_trial_epsilon_max": max((trial_epsilon(t, delta) for t in set(trials)), default=0.0),
-        "num_trials": n,
-        "composition_epsilon": facts["composition_epsilon"],
-    }
-    why = (
-        "no trial ran for this group (K = 0 drawn): it released nothing"
-        if n == 0
-        else f"the random-number-of-trials bound does not apply ({'; '.join(obstacles)}), "
-        f"so the bound is the RDP composition of all {n} trials, valid under adaptivity"
-    )
-    return _QuotedBound(entries, facts["composition_rdp"], "composition_epsilon", why)
-
-
-def _random_trials_bound(
-    candidates: Sequence[TrialMechanism], delta: float, conditions: SweepConditions
-) -> _QuotedBound:
-    """The Papernot & Steinke bound over every candidate mechanism of the search space."""
-    if not candidates:
-        raise DpivonError(
-            "the random-trials bound needs the candidate mechanisms of the whole space"
-        )
-    shape = _shape(conditions.trial_count)
-    curve = _rdp._compute_rdp_repeat_and_select(
-        ORDERS, _max_rdp_curve(candidates), conditions.mean_trials, shape
-    )
-    entries = {
-        "per_trial_epsilon_max": max(trial_epsilon(t, delta) for t in set(candidates)),
-        "random_trials_epsilon": epsilon_from_rdp(curve, delta),
-        "candidates": len(candidates),
-    }
-    why = (
-        f"hyper-parameters were drawn independently of the data from the OS entropy "
-        f"source, K from a {conditions.trial_count} distribution with mean "
-        f"{conditions.mean_trials:g} (drawn from the OS entropy source and kept private: "
-        f"this report states only its distribution), no trial was stopped on its "
-        f"metrics, and only one selected model is released: the Papernot & Steinke bound "
-        f"over all {len(candidates)} candidate mechanisms of the search space applies"
-    )
-    return _QuotedBound(entries, curve, "random_trials_epsilon", why)
-
-
-def tuning_privacy_report(
-    trials: Sequence[TrialMechanism],
-    delta: float,
-    conditions: SweepConditions,
-    *,
-    candidates: Sequence[TrialMechanism] = (),
-    accountant: str = "rdp",
-) -> dict[str, Any]:
-    """Privacy of one group of a sweep, the threat model, and which number to quote.
-
-    ``trials`` are the mechanisms that ran (their RDP composition is always valid, adaptive
-    choices included); ``candidates`` cover every mechanism the search space can produce
-    (see :func:`candidate_mechanisms`), needed by the random-trials bound, which is quoted
-    only where :meth:`SweepConditions.random_trials_obstacles` finds none. That bound holds
-    only while the number of trials K stays unknown, so its report states K's distribution
-    and nothing that reveals K (no trial count, no composition: see
-    :func:`composition_facts`). ``accountant`` is the one that calibrated the trials.
-    """
-    _check_delta(delta)
-    obstacles = conditions.random_trials_obstacles()
-    # what the quoted bound is over: the trials that ran, or every candidate of the space
-    report = _threat_model(conditions, trials if obstacles else candidates)
-    bound = (
-        _composition_bound(trials, delta, conditions, obstacles)
-        if obstacles
-        else _random_trials_bound(candidates, delta, conditions)
-    )
-    report.update(bound.entries)
-    report["quoted_epsilon"] = report[bound.name]
-    report["quote"] = f"{bound.name}: {bound.why}.{_accountant_note(accountant)}"
-    # The quoted bound as an RDP curve on ORDERS: a production run tuned by this sweep
-    # composes with it (see compose_with_tuning).
-    report["quoted_rdp"] = [float(v) for v in bound.curve]
-    return report
-
-
 def worst_case_tuning_epsilon(
     candidates: Sequence[TrialMechanism],
     delta: float,
@@ -500,14 +352,14 @@ def worst_case_tuning_epsilon(
 ) -> float:
     """The quoted tuning epsilon before the sweep runs: composition of ``num_trials`` copies
     of the worst candidate at every order, or the random-trials bound where it applies."""
-    _check_delta(delta)
+    check_delta(delta)
     if num_trials == 0:
         return 0.0
     if not conditions.random_trials_obstacles():
         return random_trials_epsilon(
             candidates, delta, distribution=conditions.trial_count, mean=conditions.mean_trials
         )
-    curve = _max_rdp_curve(candidates) * num_trials
+    curve = max_rdp_curve(candidates) * num_trials
     return float(_rdp.compute_epsilon(ORDERS, curve, delta)[0])
 
 

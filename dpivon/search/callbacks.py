@@ -23,7 +23,7 @@ from rich.console import Console
 
 from dpivon.constraints import NonNegativeFloat, check_bound
 from dpivon.errors import DpivonError
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.search.results import (
     CHECKPOINT_TAG,
     ERROR_TAG,
@@ -143,7 +143,7 @@ class MlflowTrialLogger(tune.Callback):
         parent_run_id: str,
         run_name: str,
         tags: dict[str, str],
-        storage: SweepStorage,
+        storage: ResultsStorage,
     ):
         self.tracking_uri = tracking_uri
         self.experiment = experiment

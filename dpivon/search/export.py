@@ -30,7 +30,7 @@ import yaml
 
 from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError
-from dpivon.orchestration.storage import SweepStorage, local_copy
+from dpivon.orchestration.storage import ResultsStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.sweep import SweepState
@@ -41,15 +41,15 @@ from dpivon.tracking.checkpoints import load_checkpoint
 DEFAULT_STORAGE = "dpivon-runs"
 
 
-def resolve_sweep(sweep: str) -> SweepStorage:
+def resolve_sweep(sweep: str) -> ResultsStorage:
     """A sweep folder or URI (holding the state file), a pipeline file, or a sweep name
     under ./dpivon-runs."""
     if "://" in sweep or Path(sweep).is_dir():
-        found = SweepStorage.at(sweep)
+        found = ResultsStorage.at(sweep)
     elif Path(sweep).is_file() and Path(sweep).suffix in (".yaml", ".yml"):
         found = load_pipeline(sweep).storage
     else:
-        found = SweepStorage(DEFAULT_STORAGE, sweep)
+        found = ResultsStorage(DEFAULT_STORAGE, sweep)
     if SweepState.exists(found):
         return found
     state_file = SweepState.file_name
@@ -60,7 +60,7 @@ def resolve_sweep(sweep: str) -> SweepStorage:
     )
 
 
-def load_results(storage: SweepStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_results(storage: ResultsStorage) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(trials, front) tables of a finished sweep."""
     if not storage.exists(FRONT_FILE):
         raise DpivonError(
@@ -78,7 +78,7 @@ TABLE_COLUMNS = {
 }
 
 
-def _read_table(storage: SweepStorage, name: str) -> pd.DataFrame:
+def _read_table(storage: ResultsStorage, name: str) -> pd.DataFrame:
     """One results table, its columns checked: a damaged one is named in one line."""
     where = storage.location(name)
     # identifiers stay text: Tune's trial ids may be all digits ("06927759")
@@ -97,7 +97,7 @@ def _read_table(storage: SweepStorage, name: str) -> pd.DataFrame:
     return table
 
 
-def trial_config(storage: SweepStorage, row: pd.Series) -> TrainConfig:
+def trial_config(storage: ResultsStorage, row: pd.Series) -> TrainConfig:
     """The complete config a trial trained with, from its final checkpoint (named inside
     the sweep's folder, wherever that folder is now)."""
     with local_copy(storage.location(row["checkpoint"])) as checkpoint:
@@ -105,7 +105,7 @@ def trial_config(storage: SweepStorage, row: pd.Series) -> TrainConfig:
     return config
 
 
-def departure(storage: SweepStorage, how: str | None) -> str | None:
+def departure(storage: ResultsStorage, how: str | None) -> str | None:
     """Why ``--pick how`` is not covered by a ``release: best`` sweep's random-trials bound
     (one line), or None: the sweep declared no release pick, or ``how`` is it."""
     declared = SweepState.load(storage).release_pick
@@ -118,7 +118,7 @@ def departure(storage: SweepStorage, how: str | None) -> str | None:
     )
 
 
-def _composition_cost(storage: SweepStorage, group: str, report: dict, why: str) -> dict:
+def _composition_cost(storage: ResultsStorage, group: str, report: dict, why: str) -> dict:
     """The composition in place of a random-trials bound (from the private facts)."""
     if not storage.exists(PRIVATE_TUNING_FILE):
         raise DpivonError(
@@ -134,7 +134,9 @@ def _composition_cost(storage: SweepStorage, group: str, report: dict, why: str)
     }
 
 
-def tuning_cost(storage: SweepStorage, group: str, departs: str | None = None) -> TuningCost | None:
+def tuning_cost(
+    storage: ResultsStorage, group: str, departs: str | None = None
+) -> TuningCost | None:
     """The tuning cost of ``group`` from the sweep's report (None for non-private groups);
     ``departs`` (see :func:`departure`): the composition instead of a random-trials bound."""
     if not storage.exists(TUNING_FILE):
@@ -187,7 +189,7 @@ def production_config(
 
 
 def export_configs(
-    storage: SweepStorage,
+    storage: ResultsStorage,
     objectives: list[tuple[str, str]],
     how: str | None,
     *,

@@ -32,7 +32,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
@@ -370,7 +370,7 @@ def group_tuner(
     groups: list[SweepGroup],
     trainable: Callable[..., None],
     run_config: tune.RunConfig,
-    storage: SweepStorage,
+    storage: ResultsStorage,
     *,
     concurrency: int,
     tracking_uri: str,

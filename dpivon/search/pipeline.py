@@ -116,7 +116,7 @@ from dpivon.orchestration.run_file import (
     group_budget,
     train_extras,
 )
-from dpivon.privacy.accounting import check_plan_reachable, noise_faithful_plan, sampling_schedule
+from dpivon.privacy.accounting import noise_faithful_plan, sampling_schedule
 from dpivon.privacy.tuning import (
     TRIAL_COUNTS,
     SweepConditions,
@@ -124,6 +124,7 @@ from dpivon.privacy.tuning import (
     TrialMechanism,
     candidate_mechanisms,
 )
+from dpivon.runs import check_plan_reachable
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dpivon.data import DataSplits
 from dpivon.evaluation import evaluate_as_configured
-from dpivon.orchestration.storage import SweepStorage, local_copy
+from dpivon.orchestration.storage import ResultsStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.trial import MODEL_FILE
@@ -27,7 +27,7 @@ def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
 
 
 def record_front_on_test(
-    front: pd.DataFrame, data: DataSplits, tracker: Tracker, storage: SweepStorage
+    front: pd.DataFrame, data: DataSplits, tracker: Tracker, storage: ResultsStorage
 ) -> None:
     """Test metrics and model of each front member (selected on validation, never on test),
     logged on its run unless its run records them already: finishing again (a resumed

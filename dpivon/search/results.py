@@ -12,7 +12,7 @@ from enum import StrEnum
 import pandas as pd
 from mlflow.entities import Run
 
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.search.trial import DIVERGED_ERROR, RecordedOutcome
 from dpivon.tracking.client import Tracker
 
@@ -82,7 +82,7 @@ def recorded_outcomes(tracker: Tracker, parent_run_id: str) -> dict[str, Recorde
     return outcomes
 
 
-def trials_table(tracker: Tracker, parent_run_id: str, storage: SweepStorage) -> pd.DataFrame:
+def trials_table(tracker: Tracker, parent_run_id: str, storage: ResultsStorage) -> pd.DataFrame:
     """One row per trial: ids, group, outcome, checkpoint, ``param.*`` and last metrics.
 
     ``checkpoint`` names the trial's final checkpoint inside the sweep's folder

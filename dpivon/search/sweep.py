@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pandas as pd
 import ray
@@ -45,8 +45,9 @@ from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.state_file import RunState
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.tuning import solve_trial_epsilon_within
+from dpivon.runs import RunCheckpoint, load_data
 from dpivon.search.callbacks import TRACKING_URI_ENV, tracking_wait_s
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
@@ -62,7 +63,6 @@ from dpivon.search.results import (
 from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
-from dpivon.training import load_data
 
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
 NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
@@ -101,7 +101,7 @@ class SweepState(RunState):
 
 def _run_trials(
     pipeline: Pipeline, groups: list[SweepGroup], data: DataSplits, state: SweepState,
-    storage: SweepStorage, tracker: Tracker, concurrency: int, stop: _StopOnSignals,
+    storage: ResultsStorage, tracker: Tracker, concurrency: int, stop: _StopOnSignals,
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
     ``concurrency`` at once. On a resume the trials MLflow records as ended are not run
@@ -298,7 +298,7 @@ def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
 
 
 def _record_new_sweep(
-    pipeline: Pipeline, storage: SweepStorage, tracker: Tracker, parent: str,
+    pipeline: Pipeline, storage: ResultsStorage, tracker: Tracker, parent: str,
     trial_epsilons: dict[str, float], counts: dict[tuple[str, float], int],
 ) -> SweepState:
     """The new parent run's settings and files, and the state file that names it."""
@@ -380,6 +380,27 @@ def _trial_epsilons(
     return solved
 
 
+def _check_resume_files(storage: ResultsStorage, groups: list[SweepGroup]) -> None:
+    """Every trial checkpoint a resume would continue from reads back as a checkpoint of one
+    of this sweep's groups (its settings, whatever the searched values and seed); a trial
+    checks its own configuration when it resumes."""
+    for name in storage.files_named(TUNE_EXPERIMENT, RESUME_FILE):
+        where = storage.location(name)
+        config = RunCheckpoint.read(storage.read_bytes(name), where).config
+        if not any(_of_group(group, config) for group in groups):
+            raise DpivonError(
+                f"checkpoint {where} is of another run configuration than this sweep's "
+                "trials; delete it (its trial then starts from its first epoch) or resume "
+                "the sweep it belongs to"
+            )
+
+
+def _of_group(group: SweepGroup, config: dict[str, Any]) -> bool:
+    free = {*group.space.names, "seed"}  # what differs between the trials of a group
+    settings = parse_config(group.base_config, source="sweep group").flat()
+    return all(config.get(k) == v for k, v in settings.items() if k not in free)
+
+
 def run_sweep(
     pipeline: Pipeline,
     *,
@@ -393,7 +414,6 @@ def run_sweep(
     storage = pipeline.storage
     storage.check_writable()
     tracking_wait_s()  # a bad $DPIVON_TRACKING_WAIT_S fails now, not when the trials end
-    tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     exists = SweepState.exists(storage)
     if exists and not resume:
         raise DpivonError(
@@ -408,6 +428,8 @@ def run_sweep(
     counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
+    _check_resume_files(storage, groups)  # before the store or Ray: a damaged one is named
+    tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     finished = previous is not None and _every_trial_recorded(
         tracker, previous.parent_run_id, groups
     )

@@ -26,9 +26,10 @@ import pandas as pd
 
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
-from dpivon.privacy.tuning import TrialMechanism, composition_facts, tuning_privacy_report
+from dpivon.privacy.tuning import TrialMechanism
+from dpivon.privacy.tuning_report import composition_facts, tuning_privacy_report
 from dpivon.search.description import TEST_COLUMNS, parent_description
 from dpivon.search.pareto import default_reference, hypervolume_2d, pareto_front
 from dpivon.search.pareto_views import plot_fronts_html, plot_fronts_png, print_front_table
@@ -132,7 +133,7 @@ def report_sweep(
     trial_epsilons: dict[str, float],
     counts: dict[tuple[str, float], int],
     data: DataSplits,
-    storage: SweepStorage,
+    storage: ResultsStorage,
 ) -> pd.DataFrame:
     """Build and log everything the sweep concludes, its files both in the sweep's folder
     and on the parent run; returns the trials table."""

@@ -6,8 +6,9 @@ epoch's report carries a checkpoint to resume from; the last one carries the tra
 A trial whose parameters turn NaN or infinite ends with a last report flagged ``DIVERGED``
 (objectives NaN) instead of an error: a retry from its checkpoint would diverge again.
 Every report carries the trial's whole config (``TRIAL_CONFIG``): the driver logs it as the
-run's params rather than building it a second time. An epoch's checkpoint holds no noise key
-(`dpivon.training.releasable_state`): a trial resumed from it draws under a fresh key.
+run's params rather than building it a second time. An epoch's checkpoint is the one
+`RunCheckpoint` of every run, which holds no noise key: a trial resumed from it draws under
+a fresh key.
 """
 
 from __future__ import annotations
@@ -21,22 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from ray import tune
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
+from dpivon.runs import (
+    EpochReport,
+    RunCheckpoint,
+    TrainingDiverged,
+    released_metrics,
+    train,
+)
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.shift import validation_shift_scores
 from dpivon.tracking.checkpoints import save_checkpoint
-from dpivon.training import (
-    EpochReport,
-    TrainingDiverged,
-    releasable_state,
-    released_metrics,
-    train,
-)
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
@@ -128,7 +128,8 @@ def run_trial(
                 # trial end): it has trained; it says its result again.
                 tune.report({**json.loads(final.read_text()), REPLAYED: 1})
                 return
-            resume_state = torch.load(Path(directory) / RESUME_FILE, weights_only=True)
+            saved = RunCheckpoint.load(Path(directory) / RESUME_FILE, config)
+            resume_state = saved.training if saved is not None else None
 
     reported = {"epoch": resume_state["epoch"] if resume_state else 0}  # last epoch done
 
@@ -139,7 +140,7 @@ def run_trial(
         with tempfile.TemporaryDirectory() as directory:
             # Without the noise key: the folder may be copied or committed, and a resumed
             # trial continues under a fresh key (independent noise is still DP).
-            torch.save(releasable_state(config, report.checkpoint()), Path(directory) / RESUME_FILE)
+            RunCheckpoint.after_epoch(config, report).save(Path(directory) / RESUME_FILE)
             tune.report(
                 {**released_metrics(config, report.metrics), COMPLETE: 0, **node},
                 checkpoint=tune.Checkpoint.from_directory(directory),

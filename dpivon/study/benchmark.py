@@ -1,6 +1,6 @@
 """`dpivon benchmark`: every (method, epsilon, seed) trained once on Ray, tracked in MLflow.
 
-Each run is one Ray task (the resources of the pipeline): the one `dpivon.training.train`,
+Each run is one Ray task (the resources of the pipeline): the one `dpivon.runs.train`,
 then the test set evaluated with train's own evaluation, a temperature fitted on the
 validation predictive (`dpivon.calibration`) and the tempered test predictive scored.
 The driver alone writes MLflow, like a sweep's: one parent run per benchmark, one child
@@ -11,9 +11,9 @@ results are polled, and a run past ``run_timeout_s`` is cancelled and recorded a
 State lives in ``<storage_path>/<name>/benchmark.json`` (the parent run). ``--resume``
 reuses the parent and skips every child that MLflow records as completed; a child that was
 running, failed or cancelled runs again in the same MLflow run, from its last finished
-epoch where a `RunCheckpoint` holds one. A run is only skipped or continued if its
-configuration is the one the pipeline asks for now (a config hash on the child and in the
-checkpoint).
+epoch where its `RunCheckpoint` holds one. A run is only skipped or continued if its
+configuration is the one the pipeline asks for now (a config hash on the child, the config
+itself in the checkpoint).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import ray
-import torch
 from ray.util.queue import Queue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -45,10 +44,17 @@ from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import init_ray
 from dpivon.orchestration.state_file import RunState
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_statement
 from dpivon.process import enter_ray_worker
-from dpivon.saved_files import read_saved, versioned
+from dpivon.runs import (
+    EpochReport,
+    RunCheckpoint,
+    TrainResult,
+    load_data,
+    released_metrics,
+    train,
+)
 from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
@@ -67,14 +73,6 @@ from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.training_run import log_training_result
-from dpivon.training import (
-    EpochReport,
-    TrainResult,
-    load_data,
-    releasable_state,
-    released_metrics,
-    train,
-)
 
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
@@ -155,52 +153,31 @@ class EpochSink(Protocol):
 
 
 @dataclass(frozen=True)
-class SavedEpoch:
-    """A run's releasable state after an epoch, and the seconds its attempts spent to reach
-    it (the part of an interrupted epoch is lost, and not counted)."""
-
-    state: dict
-    seconds: float
-
-
-@dataclass(frozen=True)
-class RunCheckpoint:
-    """One run's state after its last finished epoch, rewritten after every epoch in the
+class CheckpointPlace:
+    """Where one benchmark run keeps its `RunCheckpoint`, rewritten after every epoch in the
     benchmark's folder: `--resume` continues an interrupted run from it, in a later session
-    too, since the folder may be kept (and published) with the results. It therefore holds
-    only what the run may release (`dpivon.training.releasable_state`): no noise key, so a
-    resumed run draws its later noise and batches under a fresh one. Deleted once the
-    run's result is logged."""
+    too, since the folder may be kept (and published) with the results, which the
+    checkpoint's releasable state allows. Deleted once the run's result is logged."""
 
-    folder: SweepStorage  # <storage>/checkpoints, by its absolute location
+    folder: ResultsStorage  # <storage>/checkpoints, by its absolute location
     name: str
-    config_hash: str
+    config: TrainConfig
 
     @classmethod
-    def of(cls, storage: SweepStorage, spec: RunSpec) -> RunCheckpoint:
+    def of(cls, storage: ResultsStorage, spec: RunSpec) -> CheckpointPlace:
         # "." is in no method name: distinct keys give distinct files
         name = re.sub(r"[^A-Za-z0-9_.-]", ".", spec.key) + ".pt"
-        return cls(SweepStorage.at(storage.location(CHECKPOINTS)), name, config_hash(spec))
+        return cls(ResultsStorage.at(storage.location(CHECKPOINTS)), name, spec.config)
 
-    def load(self) -> SavedEpoch | None:
-        """The saved training state, or None when the run has none."""
+    def load(self) -> RunCheckpoint | None:
+        """The run's checkpoint, or None when it has none."""
         if not self.folder.exists(self.name):
             return None
-        where = self.folder.location(self.name)
-        fields = {"config_hash": str, "training": dict, "seconds": (int, float)}
-        saved = read_saved(self.folder.read_bytes(self.name), "checkpoint", fields, where)
-        if saved["config_hash"] != self.config_hash:
-            raise DpivonError(
-                f"checkpoint {where} is of another configuration of this run; delete it to "
-                "train the run from its start"
-            )
-        return SavedEpoch(saved["training"], float(saved["seconds"]))
+        data = self.folder.read_bytes(self.name)
+        return RunCheckpoint.load(data, self.config, self.folder.location(self.name))
 
-    def save(self, saved: SavedEpoch) -> None:
-        buffer = io.BytesIO()
-        payload = {"training": saved.state, "seconds": saved.seconds}
-        torch.save(versioned({"config_hash": self.config_hash, **payload}), buffer)
-        self.folder.write_bytes(self.name, buffer.getvalue())
+    def save(self, checkpoint: RunCheckpoint) -> None:
+        self.folder.write_bytes(self.name, checkpoint.to_bytes())
 
     def remove(self) -> None:
         self.folder.remove(self.name)
@@ -216,8 +193,8 @@ def run_in_worker(threads: int, *args: Any) -> TrainResult:
 def run_one(
     config: TrainConfig,
     data: DataSplits,
-    checkpoint: RunCheckpoint,
-    resume: SavedEpoch | None = None,
+    place: CheckpointPlace,
+    resume: RunCheckpoint | None = None,
     epochs_done: EpochSink | None = None,
     shift_set: ShiftSet | None = None,
 ) -> TrainResult:
@@ -231,17 +208,17 @@ def run_one(
 
     def save(report: EpochReport) -> None:
         seconds = earlier_s + time.perf_counter() - started
-        checkpoint.save(SavedEpoch(releasable_state(config, report.checkpoint()), seconds))
+        place.save(RunCheckpoint.after_epoch(config, report, seconds=seconds))
         if epochs_done is not None:  # progress only: a lost queue fails no run
             with contextlib.suppress(ray.exceptions.RayError):
-                epochs_done.put_nowait((checkpoint.name, report.epoch))
+                epochs_done.put_nowait((place.name, report.epoch))
 
     result = train(
         config,
         data=data,
         evaluate_test=False,
         on_epoch_end=save,
-        resume_state=resume.state if resume is not None else None,
+        resume_state=resume.training if resume is not None else None,
     )
     scored = score_on_test(result, data, shift_set)
     return replace(scored, wall_time_s=earlier_s + time.perf_counter() - started)
@@ -313,7 +290,7 @@ def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
     tracker.end_run(run_id, "FINISHED")
 
 
-def _store_weights(storage: SweepStorage, spec: RunSpec, result: TrainResult) -> None:
+def _store_weights(storage: ResultsStorage, spec: RunSpec, result: TrainResult) -> None:
     """The run's released model as one file in the benchmark's folder, so that later
     evaluations (calibration under shift, new metrics) need no retraining."""
     buffer = io.BytesIO()
@@ -445,7 +422,7 @@ def execute_runs(
     shift_set = SHIFT_SETS.get(pipeline.shift)  # None: "none"
     data_ref = ray.put(data)
     queue = list(todo)
-    in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, RunCheckpoint, float]] = {}
+    in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, CheckpointPlace, float]] = {}
     epochs: dict[str, int] = {}  # checkpoint name -> the run's last finished epoch
     epochs_done = Queue(actor_options={"num_cpus": 0})  # no CPU: never delays a run
     total = len(pipeline.runs)
@@ -463,19 +440,19 @@ def execute_runs(
 
         def submit(spec: RunSpec) -> None:
             run_id = _open_child(tracker, parent, spec, existing.get(spec.key))
-            checkpoint = RunCheckpoint.of(pipeline.storage, spec)
-            saved = checkpoint.load()
+            place = CheckpointPlace.of(pipeline.storage, spec)
+            saved = place.load()
             if saved is not None:
-                epochs[checkpoint.name] = epoch = saved.state["epoch"]
+                epochs[place.name] = epoch = saved.epoch
                 tracker.set_tags(run_id, {RESUMED_TAG: str(epoch)})
                 bar.console.print(f"[bold]{spec.key}[/] continues after epoch {epoch}")
             ref = task.remote(
-                max(1, int(cpu)), spec.config, data_ref, checkpoint, saved, epochs_done, shift_set
+                max(1, int(cpu)), spec.config, data_ref, place, saved, epochs_done, shift_set
             )
-            in_flight[ref] = (spec, run_id, checkpoint, time.monotonic())
+            in_flight[ref] = (spec, run_id, place, time.monotonic())
 
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
-            spec, run_id, checkpoint, _ = in_flight.pop(ref)
+            spec, run_id, place, _ = in_flight.pop(ref)
             if message is None:
                 try:
                     result = ray.get(ref, timeout=GET_TIMEOUT_S)
@@ -484,7 +461,7 @@ def execute_runs(
                 else:
                     _log_result(tracker, run_id, result)
                     _store_weights(pipeline.storage, spec, result)
-                    checkpoint.remove()  # the run's record is complete in MLflow
+                    place.remove()  # the run's record is complete in MLflow
                     outcome.completed.append(spec.key)
                     bar.console.print(_finished_line(spec, result), highlight=False)
             if message is not None:
@@ -640,7 +617,7 @@ def _check_run_checkpoints(pipeline: BenchmarkPipeline) -> None:
     """Every run checkpoint a resume would continue from reads back as one (a damaged file
     is named before MLflow or Ray starts, not when its run's turn comes)."""
     for spec in pipeline.runs:
-        RunCheckpoint.of(pipeline.storage, spec).load()
+        CheckpointPlace.of(pipeline.storage, spec).load()
 
 
 def _report_only(pipeline: BenchmarkPipeline, tracker: Tracker) -> BenchmarkOutcome:

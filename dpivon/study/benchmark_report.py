@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.study.aggregate import (
     SUMMARISED,
     Comparison,
@@ -565,7 +565,7 @@ def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequ
     )
 
 
-def _add_sweep_fronts(report: Report, sweeps: Sequence[SweepStorage]) -> None:
+def _add_sweep_fronts(report: Report, sweeps: Sequence[ResultsStorage]) -> None:
     report.blocks.append(Heading("Pareto fronts of the tuning sweeps (validation)"))
     for directory in sweeps:
         name = f"pareto_{directory.name}.png"
@@ -602,7 +602,7 @@ def build_report(
     method_order: Sequence[str] | None = None,
     settings: Sequence[str] = (),
     method_configs: dict[str, dict[str, Any]] | None = None,
-    sweeps: Sequence[SweepStorage] = (),
+    sweeps: Sequence[ResultsStorage] = (),
     failed: dict[str, str] | None = None,
     tuning_scores: dict[tuple[str, float], tuple[str, float]] | None = None,
 ) -> Report:

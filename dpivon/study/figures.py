@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dpivon.metrics import ReliabilityDiagram
-from dpivon.orchestration.storage import SweepStorage
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.plots import plot_reliability_diagram
 from dpivon.study.aggregate import RunRecord, pooled_reliability
 
@@ -150,7 +150,7 @@ def plot_diagnostics(records: Sequence[RunRecord], methods: Sequence[str]) -> Fi
     return fig
 
 
-def pareto_png(directory: SweepStorage) -> bytes:
+def pareto_png(directory: ResultsStorage) -> bytes:
     """The Pareto-front plot of a finished sweep (the one a tuned method came from)."""
     from dpivon.search.export import load_results
     from dpivon.search.pareto_views import plot_fronts_png

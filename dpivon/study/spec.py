@@ -77,8 +77,8 @@ from dpivon.orchestration.run_file import (
     group_budget,
     train_extras,
 )
-from dpivon.orchestration.storage import SweepStorage
-from dpivon.privacy.accounting import check_plan_reachable
+from dpivon.orchestration.storage import ResultsStorage
+from dpivon.runs import check_plan_reachable
 from dpivon.search.pareto import PICKS
 from dpivon.search.trial import trial_seed
 
@@ -198,7 +198,7 @@ class BenchmarkPipeline(RunFile):
         return {"train": self.train, **methods}
 
     @property
-    def sweep_directories(self) -> list[SweepStorage]:
+    def sweep_directories(self) -> list[ResultsStorage]:
         """The distinct sweeps the tuned methods come from (for the Pareto fronts)."""
         from dpivon.search.export import resolve_sweep
 

@@ -10,7 +10,7 @@ from dpivon.tracking.client import Tracker
 from dpivon.tracking.served_model import log_model
 
 if TYPE_CHECKING:
-    from dpivon.training import TrainResult
+    from dpivon.runs import TrainResult
 
 # What the run's epsilon was accounted over (train_images: the accountant's dataset size).
 RUN_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon", "train_images")

@@ -1,0 +1,156 @@
+"""A run's resumable state: what it is made of (model, optimizer, schedule, accountant,
+every random stream, the history), and the one file format that `dpivon train
+--checkpoint`, sweep trials and benchmark runs all write and read back.
+
+The file is releasable like the model (`releasable_state`): no noise key, since a resumed
+secure run draws under a fresh one, and no metric the run's epsilon does not cover. It is
+versioned and checked where it is read: a damaged, foreign, older or other run's file gets
+one line naming the file before any run is opened.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpivon.config import TrainConfig
+from dpivon.errors import DpivonError
+from dpivon.privacy.sampling import ShuffledBatches
+from dpivon.runs.release import releasable_state
+from dpivon.runs.result import EpochReport
+from dpivon.runs.setup import TrainingSetup
+from dpivon.saved_files import read_saved, versioned
+
+# Layout 1 was a file per driver (the CLI's with the noise key); layout 2 is this one.
+CHECKPOINT_LAYOUT = 2
+_FIELDS = {"config": dict, "training": dict, "mlflow_run_id": str, "seconds": (int, float)}
+# What `training_state` holds
+TRAINING_STATE_KEYS = ("epoch", "model", "optimizer", "scheduler", "accountant", "rng", "history")
+
+
+def rng_states(setup: TrainingSetup) -> dict:
+    """Every random stream a run draws from: resuming continues each instead of replaying."""
+    states = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "randomness": setup.randomness.state_dict(),
+    }
+    if isinstance(setup.loader, ShuffledBatches):
+        states["shuffling"] = setup.loader.generator.get_state()
+    return states
+
+
+def restore_rng_states(states: dict, setup: TrainingSetup) -> None:
+    if "randomness" not in states:
+        raise DpivonError(
+            "this checkpoint predates secure noise (it holds a seeded generator, no noise "
+            "key): it cannot resume; start the run again"
+        )
+    torch.set_rng_state(states["torch"])
+    if states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    setup.randomness.load_state_dict(states["randomness"])
+    if isinstance(setup.loader, ShuffledBatches):
+        setup.loader.generator.set_state(states["shuffling"])
+
+
+def training_state(
+    epoch: int, setup: TrainingSetup, scheduler: Any, history: list[dict]
+) -> dict:
+    """The whole state after ``epoch`` (the noise key included: `releasable_state` drops it)."""
+    return {
+        "epoch": epoch,
+        "model": setup.model.state_dict(),
+        "optimizer": setup.optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "accountant": setup.private.accountant.state_dict() if setup.private else None,
+        "rng": rng_states(setup),
+        "history": list(history),
+    }
+
+
+def restore_training_state(state: dict, setup: TrainingSetup, scheduler: Any) -> tuple[int, list]:
+    """Load ``state`` into a freshly built run; its last epoch and history."""
+    setup.model.load_state_dict(state["model"])
+    setup.optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if setup.private is not None:
+        setup.private.accountant.load_state_dict(state["accountant"])
+    restore_rng_states(state["rng"], setup)
+    return state["epoch"], list(state["history"])
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One run after its last finished epoch: the config it belongs to (flat keys), its
+    releasable training state and the two facts a driver keeps beside it: the MLflow run it
+    reports to (`dpivon train`) and the seconds its attempts trained (benchmark runs)."""
+
+    config: dict[str, Any]
+    training: dict[str, Any]
+    mlflow_run_id: str = ""
+    seconds: float = 0.0
+
+    @classmethod
+    def after_epoch(
+        cls, config: TrainConfig, report: EpochReport, *, mlflow_run_id: str = "",
+        seconds: float = 0.0,
+    ) -> RunCheckpoint:  # fmt: skip
+        state = releasable_state(config, report.checkpoint())
+        return cls(config.flat(), state, mlflow_run_id, seconds)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.training["epoch"])
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        payload = {
+            "config": self.config, "training": self.training,
+            "mlflow_run_id": self.mlflow_run_id, "seconds": float(self.seconds),
+        }  # fmt: skip
+        torch.save(versioned(payload, CHECKPOINT_LAYOUT), buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def read(cls, source: Path | bytes, where: str | Path | None = None) -> RunCheckpoint:
+        """The checkpoint in ``source`` (a path, or the bytes of the file at ``where``),
+        whatever its run: one line naming the file if it is not a dpivon checkpoint."""
+        saved = read_saved(source, "checkpoint", _FIELDS, where, version=CHECKPOINT_LAYOUT)
+        where = source if isinstance(source, Path) else where
+        missing = [k for k in TRAINING_STATE_KEYS if k not in saved["training"]]
+        if missing:
+            raise DpivonError(
+                f"checkpoint {where} lacks the training state's {', '.join(missing)}, so it "
+                "is not a dpivon checkpoint; delete it or name another file"
+            )
+        return cls(saved["config"], saved["training"], saved["mlflow_run_id"], saved["seconds"])
+
+    @classmethod
+    def load(cls, source: Path | bytes, config: TrainConfig, where: str | Path | None = None
+             ) -> RunCheckpoint | None:  # fmt: skip
+        """``config``'s checkpoint in ``source`` (as `read`); None where no file is."""
+        if isinstance(source, Path):
+            if not os.path.lexists(source):  # a FIFO or a symlink loop is refused, not opened
+                return None
+            where = source
+        checkpoint = cls.read(source, where)
+        if checkpoint.config != config.flat():
+            raise DpivonError(
+                f"checkpoint {where} is of another run configuration; delete it (the run "
+                "then starts from its first epoch) or name the checkpoint of this one"
+            )
+        return checkpoint
+
+    def save(self, path: Path) -> None:
+        """Write it to ``path`` whole: an interrupted save leaves the previous epoch's."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_bytes(self.to_bytes())
+        partial.replace(path)
+

@@ -1,0 +1,130 @@
+"""What a run hands on: a step's progress, a finished epoch, its result (and its epsilon's
+meaning), or the divergence that ended it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from dpivon.config import TrainConfig
+from dpivon.errors import DpivonError
+from dpivon.evaluation import Posterior
+from dpivon.metrics import ReliabilityDiagram, json_number
+from dpivon.privacy.engine import PrivacyPlan
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
+from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
+from dpivon.runs.phases import PhaseTimes
+
+
+class TrainingDiverged(DpivonError):
+    """The parameters became NaN or infinite. ``privacy`` holds the mechanism of the planned run
+    (noise_multiplier, sample_rate, steps: all of it, the conservative count) for private
+    runs: a diverged trial spent budget too, and the tuning cost must count it."""
+
+    def __init__(self, message: str, privacy: dict[str, float] | None = None):
+        super().__init__(message)
+        self.privacy = privacy or {}
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a progress display sees after each training step."""
+
+    task: str
+    done: int  # steps so far, of `total`
+    total: int
+    status: str
+
+
+StepCallback = Callable[[StepReport], None]
+@dataclass
+class EpochReport:
+    """What callbacks see after each epoch; ``checkpoint()`` builds resumable state lazily."""
+
+    epoch: int
+    metrics: dict[str, float]
+    checkpoint: Callable[[], dict]
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    privacy: PrivacyPlan | None
+    epsilon_spent: float | None
+    steps: int
+    train_images: int  # the records the run trained on (the accountant's dataset size)
+    history: list[dict[str, float]]
+    val: dict[str, float]
+    test: dict[str, float] | None
+    test_reliability: ReliabilityDiagram | None
+    model: nn.Module
+    posterior: Posterior | None
+    wall_time_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+    engine: str | None = None  # the clipping engine ``auto`` resolved to (private runs)
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+    def summary(self) -> dict[str, float | int | str | None]:
+        """Flat, JSON-ready record of the run (the ``--json`` output)."""
+        c, plan = self.config, self.privacy
+        out: dict[str, float | int | str | None] = {
+            "optimizer": c.optimizer.name,
+            "model": c.model.name,
+            "dataset": c.data.dataset,
+            "epochs": c.training.epochs,
+            "lr": c.optimizer.lr,
+            "target_epsilon": plan.target_epsilon if plan else None,
+            "epsilon_spent": self.epsilon_spent,
+            "delta": c.privacy.delta if plan else None,
+            "accountant": plan.accountant if plan else None,
+            "noise_multiplier": plan.noise_multiplier if plan else 0.0,
+            "sample_rate": plan.sample_rate if plan else None,
+            "steps": self.steps,
+            "train_images": self.train_images,
+            "max_grad_norm": c.privacy.max_grad_norm if plan else None,
+            "engine": self.engine,
+            "batch_size": c.training.batch_size,
+            "wall_time_s": self.wall_time_s,
+        }
+        out.update(self.tuning_summary())
+        out.update({f"val_{k}": v for k, v in self.val.items()})
+        if self.test is not None:
+            out.update({f"test_{k}": v for k, v in self.test.items()})
+        out.update(self.extra)
+        return {k: json_number(v) for k, v in out.items()}
+
+    def tuning_summary(self) -> dict[str, float | str]:
+        """What this run's epsilon covers; for a config chosen by a sweep also the tuning
+        epsilon and its composition with this run, which covers the released model (both
+        used the same records)."""
+        tuning, plan = self.config.privacy.tuning, self.privacy
+        if plan is None:
+            return {}
+        if self.config.privacy.research_mode:
+            return {"epsilon_covers": f"nothing: {RESEARCH_MODE_WARNING}"}
+        if tuning is None:
+            validation = (
+                "validation scores are noised (validation records covered too)"
+                if self.config.evaluation.val_noise_multiplier > 0
+                else "the validation scores are exact (validation records unprotected)"
+            )
+            return {
+                "epsilon_covers": (
+                    "epsilon_spent covers the model (mean and posterior) and the DP "
+                    "diagnostics of this run for the training records (add or remove one), "
+                    "if its hyper-parameters were chosen without those records; the training "
+                    f"loss is not covered and {validation}"
+                )
+            }
+        production = TrialMechanism(plan.noise_multiplier, plan.sample_rate, self.steps)
+        return {
+            "tuning_epsilon": tuning.quoted_epsilon,
+            "epsilon_with_tuning": compose_with_tuning(production, tuning.quoted_rdp, plan.delta),
+            "epsilon_covers": (
+                f"epsilon_with_tuning covers the released model: its hyper-parameters were "
+                f"selected by sweep {tuning.sweep!r} ({tuning.group}) on the same records; "
+                f"epsilon_spent covers this training alone"
+            ),
+        }
