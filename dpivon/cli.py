@@ -118,10 +118,9 @@ def train(
         released_metrics,
     )
     from dpivon.runs import train as run_training
-    from dpivon.runs.tracked import tracked_run
+    from dpivon.runs.tracked import log_training_result, tracked_run
     from dpivon.shift import SHIFT_FILE, evaluate_shift_as_configured
     from dpivon.tracking.client import Tracker
-    from dpivon.tracking.training_run import log_training_result
 
     overrides = config_values
     configs = (

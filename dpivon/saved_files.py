@@ -4,8 +4,8 @@ when it is loaded) and checked: a truncated, foreign, hand-edited or newer file 
 line naming the file and what is wrong with it, before any run is opened.
 
 Each file carries its layout's version (``FORMAT_KEY``); the files written before the key
-existed have exactly layout 1, so a file without it reads as 1. A kind of file whose layout
-changed passes its own version (run checkpoints: `dpivon.runs.checkpoint`).
+existed have exactly layout 1, so a file without it reads as 1. Each reader names the
+layouts it reads (a run checkpoint's changed: `dpivon.runs.checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ def versioned(payload: Mapping[str, Any], version: int = FORMAT_VERSION) -> dict
     return {FORMAT_KEY: version, **payload}
 
 
+Fields = Mapping[str, type | tuple[type, ...]]
+
+
 def read_saved(
     source: Path | bytes,
     what: str,
-    fields: Mapping[str, type | tuple[type, ...]],
+    layouts: Mapping[int, Fields],
     where: str | Path | None = None,
-    *,
-    version: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """The dict a dpivon ``what`` file saved, read from ``source`` (a path, or the bytes of
-    the file at ``where``) of layout ``version``, with each of ``fields`` present and of its
-    type; else one DpivonError line naming the file."""
+    the file at ``where``): of one of ``layouts`` (its version -> the fields it holds, each
+    of its type), its version under `FORMAT_KEY`; else one DpivonError line naming the file."""
     if isinstance(source, Path):
         check_regular_file(source, what)  # a FIFO would block the read forever
         where, data = source, source.read_bytes()
@@ -59,17 +60,18 @@ def read_saved(
         )
     named = saved.get(FORMAT_KEY)
     layout = 1 if named is None else named
-    wrong = [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
-    # a dict that names no layout and lacks fields is foreign first (layout 1 said with it)
-    if layout != version and not (wrong and named is None):
+    # a dict that names no layout is checked against the newest when layout 1 is not read
+    fields = layouts.get(layout, layouts[max(layouts)] if named is None else None)
+    if fields is None:
+        readable = ", ".join(map(str, sorted(layouts)))
         raise DpivonError(
             f"{what} {where} has layout version {layout!r}; this dpivon reads version "
-            f"{version}; {fix}"
+            f"{readable}; {fix}"
         )
+    wrong = [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
     if wrong:
-        older = f" (or one of layout 1; this dpivon reads {version})" if layout != version else ""
         raise DpivonError(
             f"{what} {where} lacks {', '.join(repr(k) for k in wrong)} or holds another type "
-            f"there, so it is not a dpivon {what}{older}; {fix}"
+            f"there, so it is not a dpivon {what}; {fix}"
         )
-    return saved
+    return {**saved, FORMAT_KEY: layout}

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlflow
@@ -23,7 +24,7 @@ import ray
 import torch
 import yaml
 from damaged_files import DAMAGED_CHECKPOINTS
-from sweep_helpers import store_snapshot
+from sweep_helpers import REPO, store_snapshot
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -55,7 +56,7 @@ from dpivon.study.benchmark_report import build_report, verdict_lines, write_rep
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import RunSpec, load_benchmark
-from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
+from dpivon.tracking.model_file import load_model_file, save_model_file
 
 runner = CliRunner()
 
@@ -529,7 +530,7 @@ def fake_sweep(tmp_path, name: str, trials_per_group: int, lr: float):
             dataset="synthetic",
             model="small-cnn",
         )
-        save_checkpoint(checkpoint / "model.pt", config, build_model("small-cnn"), None)
+        save_model_file(checkpoint / "model.pt", config, build_model("small-cnn"), None)
         for i in range(trials_per_group):
             rows.append(
                 {
@@ -680,7 +681,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
         path = tmp_path / "runs" / pipeline.name / weights_file(key)
         stored = torch.load(path, map_location="cpu", weights_only=True)
         assert set(stored) == {FORMAT_KEY, "config", "model_state", "posterior"}  # no noise key
-        config, model, posterior = load_checkpoint(path)
+        config, model, posterior = load_model_file(path)
         assert config.flat()["seed"] == int(child.data.params["seed"])
         assert (posterior is not None) == (config.optimizer.name == "dp-ivon-gradsq")
         if posterior is None:  # the mean's predictive: the logged test accuracy again
@@ -859,3 +860,22 @@ def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
     markdown = outcome.report.markdown()
     assert "![shift.png](figures/shift.png)" in markdown
     assert "| dp-sgd | 8 | 3 | clean |" in markdown
+
+
+def test_the_committed_runs_in_flight_continue_from_their_layout_1_checkpoints():
+    """The benchmark's checkpoints written before every driver shared one format (committed
+    with the Tramer & Boneh anchor in flight) read back as today's, for their own
+    configuration only."""
+    pipeline = load_benchmark(REPO / "pipelines" / "reproduce-tramer-boneh-sigma.yaml")
+    found = {}
+    for spec in pipeline.runs:
+        place = CheckpointPlace.of(pipeline.storage, spec)
+        checkpoint = place.load()
+        if checkpoint is not None:
+            found[spec.key] = checkpoint.epoch
+            assert checkpoint.config == spec.config.flat() and checkpoint.seconds > 0
+            assert "key" not in checkpoint.training["rng"]["randomness"]
+            other = replace(place, config_hash="0" * 16)
+            with pytest.raises(DpivonError, match="another run configuration"):
+                other.load()
+    assert found == {"dp-sgd|eps3|seed0": 16, "dp-sgd|eps3|seed1": 16}

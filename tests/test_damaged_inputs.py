@@ -25,7 +25,7 @@ from dpivon.search.results import group_name
 from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, _check_resume_files
 from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE
 from dpivon.search.trial import MODEL_FILE, RESUME_FILE
-from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.model_file import save_model_file
 
 COLUMNS = "trial_id,group,optimizer,epsilon,checkpoint,val_accuracy,val_ece"
 
@@ -44,7 +44,7 @@ def sweep_folder(tmp_path):
     for table in (TRIALS_FILE, FRONT_FILE):
         (folder / table).write_text(f"{COLUMNS}\n{row}\n")
     config = TrainConfig(optimizer="dp-sgd", dataset="synthetic", model="small-cnn")
-    save_checkpoint(folder / "trials" / "t1" / MODEL_FILE, config, build_model("small-cnn"), None)
+    save_model_file(folder / "trials" / "t1" / MODEL_FILE, config, build_model("small-cnn"), None)
     return folder
 
 

@@ -162,11 +162,11 @@ def test_progress_counts_the_whole_sweep_and_the_group_and_adds_up(capsys):
 
 def test_a_model_file_that_dpivon_did_not_save_is_named_in_one_line(tmp_path):
     from dpivon.config import TrainConfig
-    from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
+    from dpivon.tracking.model_file import load_model_file, save_model_file
 
     config = TrainConfig(optimizer="dp-sgd", dataset="synthetic", model="small-cnn")
-    save_checkpoint(tmp_path / "good.pt", config, build_model("small-cnn"), None)
-    assert load_checkpoint(tmp_path / "good.pt")[0] == config
+    save_model_file(tmp_path / "good.pt", config, build_model("small-cnn"), None)
+    assert load_model_file(tmp_path / "good.pt")[0] == config
     saved = torch.load(tmp_path / "good.pt", weights_only=True)
     other_model = {**saved, "config": {**saved["config"], "model": {"name": "tanh-cnn"}}}
     cases = {
@@ -184,5 +184,5 @@ def test_a_model_file_that_dpivon_did_not_save_is_named_in_one_line(tmp_path):
         else:
             torch.save(content, path)
         with pytest.raises(DpivonError, match=r"model file .*model\.pt") as refused:
-            load_checkpoint(path)
+            load_model_file(path)
         assert reason in str(refused.value) and "\n" not in str(refused.value)

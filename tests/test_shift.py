@@ -45,7 +45,7 @@ from dpivon.shift import (
     uncertainty_scores,
     validation_shift_scores,
 )
-from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.model_file import save_model_file
 from dpivon.tracking.served_model import load_scored_model
 
 # --- the corrupted sets ----------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_evaluate_takes_a_model_file_as_committed_weights_are(logged):
     work, model_uri, _ = logged
     config, model, posterior = load_scored_model(model_uri, f"sqlite:///{work}/mlflow.db")
     weights = work / "model.pt"
-    save_checkpoint(weights, config, model, posterior)
+    save_model_file(weights, config, model, posterior)
     from_file = evaluate_cli(work, str(weights), *SHIFT_ARGS)
     from_run = evaluate_cli(work, model_uri, *SHIFT_ARGS)
     assert from_file["sets"] == from_run["sets"]

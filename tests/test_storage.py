@@ -23,7 +23,7 @@ from dpivon.search.export import export_configs, load_results, resolve_sweep, tr
 from dpivon.search.sweep import SweepState
 from dpivon.search.sweep_files import FRONT_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.model_file import save_model_file
 
 
 def _root(kind: str, tmp_path, s3, monkeypatch) -> str:
@@ -96,7 +96,7 @@ def _trained_checkpoint(storage: ResultsStorage, trial: str, lr: float, tmp_path
                            "bma_samples": 2, "seed": len(trial)})
     result = train(config, evaluate_test=False)
     local = tmp_path / f"{trial}.pt"
-    save_checkpoint(local, config, result.model, result.posterior)
+    save_model_file(local, config, result.model, result.posterior)
     folder = f"tune/{trial}/checkpoint_000000"
     storage.write_bytes(f"{folder}/{MODEL_FILE}", local.read_bytes())
     local.unlink()

@@ -39,7 +39,7 @@ from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
 from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
-from dpivon.tracking.checkpoints import load_checkpoint
+from dpivon.tracking.model_file import load_model_file
 
 runner = CliRunner()
 
@@ -522,7 +522,7 @@ def relative_distances_of_retrains(checkpoint: Path) -> tuple[float, float]:
     """What the review did: retrain the released model from the config stored inside it
     (one thread, as its trial ran), with and without one training record (the target);
     the relative distance of each retrain to the released weights."""
-    config, model, _ = load_checkpoint(checkpoint)
+    config, model, _ = load_model_file(checkpoint)
     data = load_data(config)
     x, y = data.train.tensors
     without = DataSplits(TensorDataset(x[1:], y[1:]), data.val, data.test, data.classes)

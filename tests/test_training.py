@@ -176,6 +176,33 @@ def test_training_is_reproducible_and_resumable():
     assert resumed.val == pytest.approx(full.val)
 
 
+
+def test_a_train_checkpoint_of_layout_1_reads_back_releasable_and_resumes(tmp_path):
+    """`dpivon train --checkpoint` wrote the whole state before every driver shared one
+    format, the noise key and the raw training loss with it: such a file reads back as
+    today's checkpoint without either, and the run continues from it."""
+    config = parse_config({**SMALL, "optimizer": "dp-sgd", "epochs": 2})
+    data = load_data(config)
+    saved = {}
+
+    def keep(report):
+        saved[report.epoch] = report.checkpoint()
+
+    with pytest.raises(InjectedFailure):
+        train(config, data=data, on_epoch_end=fail_after(1, keep), evaluate_test=False)
+    state = saved[1]
+    assert "key" in state["rng"]["randomness"] and "train_loss" in state["history"][0]
+    path = tmp_path / "old.ckpt"
+    torch.save({"config": config.flat(), "mlflow_run_id": "abc", "training": state}, path)
+    checkpoint = runs.RunCheckpoint.load(path, config)
+    assert checkpoint.epoch == 1 and checkpoint.mlflow_run_id == "abc"
+    assert "key" not in checkpoint.training["rng"]["randomness"]
+    assert "train_loss" not in checkpoint.training["history"][0]
+    resumed = train(config, data=data, resume_state=checkpoint.training, evaluate_test=False)
+    assert [m["epoch"] for m in resumed.history] == [1, 2]
+    with pytest.raises(DpivonError, match="another run configuration"):
+        runs.RunCheckpoint.load(path, config.replace(lr=config.optimizer.lr * 2))
+
 def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     config = tmp_path / "fail.yaml"
     config.write_text(yaml.safe_dump({**SMALL, "optimizer": "dp-sgd", "epochs": 2}))

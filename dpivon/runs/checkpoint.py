@@ -24,11 +24,14 @@ from dpivon.privacy.sampling import ShuffledBatches
 from dpivon.runs.release import releasable_state
 from dpivon.runs.result import EpochReport
 from dpivon.runs.setup import TrainingSetup
-from dpivon.saved_files import read_saved, versioned
+from dpivon.saved_files import FORMAT_KEY, read_saved, versioned
 
-# Layout 1 was a file per driver (the CLI's with the noise key); layout 2 is this one.
+# Layout 1 was a file per driver; layout 2 is the one of every driver.
 CHECKPOINT_LAYOUT = 2
-_FIELDS = {"config": dict, "training": dict, "mlflow_run_id": str, "seconds": (int, float)}
+CHECKPOINT_FIELDS = {"config": dict, "training": dict, "mlflow_run_id": str,
+                     "seconds": (int, float)}  # fmt: skip
+# `dpivon train --checkpoint`'s layout 1: its whole state, the noise key included
+TRAIN_LAYOUT_1 = {"config": dict, "mlflow_run_id": str, "training": dict}
 # What `training_state` holds
 TRAINING_STATE_KEYS = ("epoch", "model", "optimizer", "scheduler", "accountant", "rng", "history")
 
@@ -120,16 +123,45 @@ class RunCheckpoint:
     @classmethod
     def read(cls, source: Path | bytes, where: str | Path | None = None) -> RunCheckpoint:
         """The checkpoint in ``source`` (a path, or the bytes of the file at ``where``),
-        whatever its run: one line naming the file if it is not a dpivon checkpoint."""
-        saved = read_saved(source, "checkpoint", _FIELDS, where, version=CHECKPOINT_LAYOUT)
-        where = source if isinstance(source, Path) else where
+        whatever its run: one line naming the file if it is not a dpivon checkpoint. A
+        `dpivon train --checkpoint` file of layout 1 reads as this one, made releasable."""
+        layouts = {1: TRAIN_LAYOUT_1, CHECKPOINT_LAYOUT: CHECKPOINT_FIELDS}
+        return cls.from_saved(read_saved(source, "checkpoint", layouts, where), where or source)
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any], where: str | Path) -> RunCheckpoint:
+        """The checkpoint of a file's dict (`read_saved`, of layout 2 or train's layout 1)."""
         missing = [k for k in TRAINING_STATE_KEYS if k not in saved["training"]]
         if missing:
             raise DpivonError(
                 f"checkpoint {where} lacks the training state's {', '.join(missing)}, so it "
                 "is not a dpivon checkpoint; delete it or name another file"
             )
-        return cls(saved["config"], saved["training"], saved["mlflow_run_id"], saved["seconds"])
+        if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT:
+            return cls(saved["config"], saved["training"], saved["mlflow_run_id"],
+                       float(saved["seconds"]))  # fmt: skip
+        rng = saved["training"]["rng"]
+        if not isinstance(rng, dict) or "randomness" not in rng:
+            raise DpivonError(
+                f"checkpoint {where} predates secure noise (it holds a seeded generator, no "
+                "noise key): it cannot resume; delete it to start the run again"
+            )
+        try:  # train's layout 1 held the noise key: the state is made releasable here
+            config = TrainConfig.model_validate(saved["config"])
+        except ValueError as err:
+            line = str(err).strip().splitlines()[0]
+            raise DpivonError(f"checkpoint {where} holds no valid configuration ({line})") from None
+        training = releasable_state(config, saved["training"])
+        return cls(saved["config"], training, saved["mlflow_run_id"])
+
+    def check_config(self, config: TrainConfig, where: str | Path) -> RunCheckpoint:
+        """This checkpoint, if it is ``config``'s."""
+        if self.config != config.flat():
+            raise DpivonError(
+                f"checkpoint {where} is of another run configuration; delete it (the run "
+                "then starts from its first epoch) or name the checkpoint of this one"
+            )
+        return self
 
     @classmethod
     def load(cls, source: Path | bytes, config: TrainConfig, where: str | Path | None = None
@@ -139,13 +171,7 @@ class RunCheckpoint:
             if not os.path.lexists(source):  # a FIFO or a symlink loop is refused, not opened
                 return None
             where = source
-        checkpoint = cls.read(source, where)
-        if checkpoint.config != config.flat():
-            raise DpivonError(
-                f"checkpoint {where} is of another run configuration; delete it (the run "
-                "then starts from its first epoch) or name the checkpoint of this one"
-            )
-        return checkpoint
+        return cls.read(source, where).check_config(config, where)
 
     def save(self, path: Path) -> None:
         """Write it to ``path`` whole: an interrupted save leaves the previous epoch's."""

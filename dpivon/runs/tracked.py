@@ -1,6 +1,7 @@
-"""The MLflow run of one training run, opened and closed in one place: `dpivon train` and
-`dpivon audit` record through it (sweep trials and benchmark runs are recorded by their
-drivers, which open one child run per trial or run on a parent)."""
+"""A training run in MLflow: its run opened and closed in one place (`tracked_run`: `dpivon
+train` and `dpivon audit`; sweep trials and benchmark runs are recorded by their drivers,
+one child run per trial or run on a parent) and what a finished run logs
+(`log_training_result`: train's and the benchmark's)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from dpivon.config import TrainConfig
+from dpivon.plots import plot_reliability_diagram
 from dpivon.runs.checkpoint import RunCheckpoint
 from dpivon.runs.release import released_metrics
+from dpivon.runs.result import TrainResult
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.served_model import log_model
 
 
 @contextmanager
@@ -41,3 +45,31 @@ def tracked_run(
                 metrics = released_metrics(config, epoch, train_loss=train_loss)
                 tracker.log_metrics(run_id, metrics, step=int(epoch["epoch"]))
         yield run_id
+
+
+# What the run's epsilon was accounted over (train_images: the accountant's dataset size).
+RUN_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon", "train_images")
+
+
+def log_training_result(
+    tracker: Tracker, run_id: str, result: TrainResult, *, with_model: bool = True
+) -> None:
+    """Final metrics, privacy facts, the reliability diagram and the model of a TrainResult."""
+    summary = result.summary()
+    tracker.log_params(run_id, {k: summary[k] for k in RUN_PARAMS})
+    # Per-epoch values are already logged; the rest of the summary's numbers are params.
+    final = {
+        k: v
+        for k, v in summary.items()
+        if k.startswith("test_") or k in ("wall_time_s", "tuning_epsilon", "epsilon_with_tuning")
+    }
+    tracker.log_metrics(run_id, final, step=result.config.training.epochs)
+    tracker.log_dict(run_id, summary, "summary.json")
+    tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")
+    if result.test_reliability is not None:
+        figure = plot_reliability_diagram(
+            result.test_reliability, title=f"{result.config.optimizer.name}: test reliability"
+        )
+        tracker.log_figure(run_id, figure, "reliability_diagram.png")
+    if with_model:
+        log_model(tracker, run_id, result.config, result.model, result.posterior)

@@ -36,7 +36,7 @@ from dpivon.search.pipeline import load_pipeline
 from dpivon.search.sweep import SweepState
 from dpivon.search.sweep_files import FRONT_FILE, PRIVATE_TUNING_FILE, TRIALS_FILE, TUNING_FILE
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking.checkpoints import load_checkpoint
+from dpivon.tracking.model_file import load_model_file
 
 DEFAULT_STORAGE = "dpivon-runs"
 
@@ -101,7 +101,7 @@ def trial_config(storage: ResultsStorage, row: pd.Series) -> TrainConfig:
     """The complete config a trial trained with, from its final checkpoint (named inside
     the sweep's folder, wherever that folder is now)."""
     with local_copy(storage.location(row["checkpoint"])) as checkpoint:
-        config, _, _ = load_checkpoint(checkpoint / MODEL_FILE)
+        config, _, _ = load_model_file(checkpoint / MODEL_FILE)
     return config
 
 

@@ -13,8 +13,8 @@ from dpivon.orchestration.storage import ResultsStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.trial import MODEL_FILE
-from dpivon.tracking.checkpoints import load_checkpoint
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.model_file import load_model_file
 from dpivon.tracking.served_model import log_model
 
 
@@ -38,7 +38,7 @@ def record_front_on_test(
         if not (scored and modelled):
             # downloaded if stored remotely
             with local_copy(storage.location(row.checkpoint)) as checkpoint:
-                config, model, posterior = load_checkpoint(checkpoint / MODEL_FILE)
+                config, model, posterior = load_model_file(checkpoint / MODEL_FILE)
             if not scored:
                 result = evaluate_as_configured(config, model, data.test, posterior)
                 test = {f"test_{k}": v for k, v in result.metrics.items()}

@@ -36,7 +36,7 @@ from dpivon.runs import (
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
 from dpivon.shift import validation_shift_scores
-from dpivon.tracking.checkpoints import save_checkpoint
+from dpivon.tracking.model_file import save_model_file
 
 RESUME_FILE = "resume.pt"
 MODEL_FILE = "model.pt"
@@ -183,6 +183,6 @@ def run_trial(
         **node,
     }
     with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(Path(directory) / MODEL_FILE, config, result.model, result.posterior)
+        save_model_file(Path(directory) / MODEL_FILE, config, result.model, result.posterior)
         (Path(directory) / FINAL_RESULT_FILE).write_text(json.dumps(final_metrics))
         tune.report(final_metrics, checkpoint=tune.Checkpoint.from_directory(directory))

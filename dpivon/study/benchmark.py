@@ -55,6 +55,9 @@ from dpivon.runs import (
     released_metrics,
     train,
 )
+from dpivon.runs.checkpoint import CHECKPOINT_FIELDS, CHECKPOINT_LAYOUT
+from dpivon.runs.tracked import log_training_result
+from dpivon.saved_files import FORMAT_KEY, read_saved
 from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
@@ -70,14 +73,15 @@ from dpivon.study.layout import (
 )
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
-from dpivon.tracking.checkpoints import save_checkpoint
 from dpivon.tracking.client import Tracker
-from dpivon.tracking.training_run import log_training_result
+from dpivon.tracking.model_file import save_model_file
 
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
 POLL_S = 5.0  # how long one wait for a finished run lasts before deadlines are checked
 CHECKPOINTS = "checkpoints"  # <storage>/checkpoints/<run>.pt: the runs in progress
+# The benchmark's checkpoint before every driver shared one format
+BENCHMARK_LAYOUT_1 = {"config_hash": str, "training": dict, "seconds": (int, float)}
 RESUMED_TAG = "dpivon.resumed_after_epoch"
 console = Console(stderr=True)
 
@@ -162,19 +166,34 @@ class CheckpointPlace:
     folder: ResultsStorage  # <storage>/checkpoints, by its absolute location
     name: str
     config: TrainConfig
+    config_hash: str  # what a checkpoint of layout 1 names its configuration by
 
     @classmethod
     def of(cls, storage: ResultsStorage, spec: RunSpec) -> CheckpointPlace:
         # "." is in no method name: distinct keys give distinct files
         name = re.sub(r"[^A-Za-z0-9_.-]", ".", spec.key) + ".pt"
-        return cls(ResultsStorage.at(storage.location(CHECKPOINTS)), name, spec.config)
+        folder = ResultsStorage.at(storage.location(CHECKPOINTS))
+        return cls(folder, name, spec.config, config_hash(spec))
 
     def load(self) -> RunCheckpoint | None:
-        """The run's checkpoint, or None when it has none."""
+        """The run's checkpoint, or None when it has none; one the benchmark wrote before
+        every driver shared one format (layout 1: releasable already, its configuration
+        named by a hash) reads as one of today's."""
         if not self.folder.exists(self.name):
             return None
-        data = self.folder.read_bytes(self.name)
-        return RunCheckpoint.load(data, self.config, self.folder.location(self.name))
+        where = self.folder.location(self.name)
+        layouts = {1: BENCHMARK_LAYOUT_1, CHECKPOINT_LAYOUT: CHECKPOINT_FIELDS}
+        saved = read_saved(self.folder.read_bytes(self.name), "checkpoint", layouts, where)
+        if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT:
+            return RunCheckpoint.from_saved(saved, where).check_config(self.config, where)
+        if saved["config_hash"] != self.config_hash:
+            raise DpivonError(
+                f"checkpoint {where} is of another run configuration; delete it (the run "
+                "then starts from its first epoch)"
+            )
+        layout_2 = {**saved, FORMAT_KEY: CHECKPOINT_LAYOUT, "config": self.config.flat(),
+                    "mlflow_run_id": ""}  # fmt: skip
+        return RunCheckpoint.from_saved(layout_2, where)
 
     def save(self, checkpoint: RunCheckpoint) -> None:
         self.folder.write_bytes(self.name, checkpoint.to_bytes())
@@ -294,7 +313,7 @@ def _store_weights(storage: ResultsStorage, spec: RunSpec, result: TrainResult) 
     """The run's released model as one file in the benchmark's folder, so that later
     evaluations (calibration under shift, new metrics) need no retraining."""
     buffer = io.BytesIO()
-    save_checkpoint(buffer, result.config, result.model, result.posterior)
+    save_model_file(buffer, result.config, result.model, result.posterior)
     storage.write_bytes(weights_file(spec.key), buffer.getvalue())
 
 

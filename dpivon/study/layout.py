@@ -23,6 +23,6 @@ WEIGHTS_DIR = "weights"  # a completed run's model file (see weights_file), besi
 
 def weights_file(key: str) -> str:
     """Where run ``key``'s released weights lie in the benchmark's folder: the model file of
-    `dpivon.tracking.checkpoints.save_checkpoint` (config, mean, IVON's posterior; no noise
+    `dpivon.tracking.model_file.save_model_file` (config, mean, IVON's posterior; no noise
     key, no package copy), small enough to commit with the results."""
     return f"{WEIGHTS_DIR}/{key.replace('|', '_')}.pt"

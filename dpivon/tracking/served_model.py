@@ -26,8 +26,8 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
 from dpivon.privacy.noise import NOISE_TAG, noise_statement
-from dpivon.tracking.checkpoints import load_checkpoint, save_checkpoint
 from dpivon.tracking.client import Tracker, fluent_tracking_uri, resolve_tracking_uri
+from dpivon.tracking.model_file import load_model_file, save_model_file
 
 PACKAGE = Path(__file__).parents[1]  # dpivon itself: logged as the model's code
 ENTRY_POINT = PACKAGE / "mlflow_model.py"
@@ -51,7 +51,7 @@ class PosteriorClassifier(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
-        self.config, self.model, self.posterior = load_checkpoint(context.artifacts["checkpoint"])
+        self.config, self.model, self.posterior = load_model_file(context.artifacts["checkpoint"])
         self.model.eval()
 
     def predict(self, context, model_input, params: dict | None = None) -> pd.DataFrame:
@@ -138,7 +138,7 @@ def log_model(
     tracker.set_tags(run_id, {NOISE_TAG: noise})
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
-        save_checkpoint(checkpoint, config, model, posterior)
+        save_model_file(checkpoint, config, model, posterior)
         code = Path(tmp) / "code" / PACKAGE.name  # the package without its bytecode caches
         shutil.copytree(PACKAGE, code, ignore=shutil.ignore_patterns("__pycache__"))
         with fluent_tracking_uri(tracker.tracking_uri), mlflow.start_run(run_id=run_id):
@@ -175,11 +175,11 @@ def load_scored_model(
 ) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
     """The config, mean model and posterior of a logged model (``runs:/RUN_ID/model``,
     ``models:/NAME/VERSION``, a model folder) or of a model file as
-    `dpivon.tracking.checkpoints` saves it (a sweep trial's ``model.pt``, committed weights),
+    `dpivon.tracking.model_file` saves it (a sweep trial's ``model.pt``, committed weights),
     or one line saying why it cannot be loaded."""
     path = Path(model_uri).expanduser()
     if os.path.lexists(path) and not path.is_dir():
-        return load_checkpoint(path)  # a file that is not one is refused in one line
+        return load_model_file(path)  # a file that is not one is refused in one line
     if ":/" not in model_uri and not path.exists():
         raise DpivonError(
             f"the model {model_uri} does not exist: give runs:/RUN_ID/model, "

@@ -11,10 +11,10 @@ from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
 from dpivon.models import build_model
-from dpivon.saved_files import read_saved, versioned
+from dpivon.saved_files import FORMAT_VERSION, read_saved, versioned
 
 
-def save_checkpoint(
+def save_model_file(
     path: Path | BinaryIO,
     config: TrainConfig,
     model: torch.nn.Module,
@@ -31,12 +31,12 @@ def save_checkpoint(
     )  # fmt: skip
 
 
-def load_checkpoint(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
-    """The config, model (on the CPU) and posterior that :func:`save_checkpoint` saved;
+def load_model_file(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
+    """The config, model (on the CPU) and posterior that :func:`save_model_file` saved;
     a file that is not one gets one line naming it."""
     path = Path(path)
     fields = {"config": dict, "model_state": dict, "posterior": (dict, type(None))}
-    state = read_saved(path, "model file", fields)
+    state = read_saved(path, "model file", {FORMAT_VERSION: fields})
     try:
         config = TrainConfig.model_validate(state["config"])
         model = build_model(config.model.name)
