@@ -136,6 +136,8 @@ def train(
     if checkpoint is not None and len(configs) > 1:
         raise DpivonError(f"--checkpoint takes one config; {config} holds {len(configs)}")
     saved = RunCheckpoint.load(checkpoint, configs[0]) if checkpoint is not None else None
+    if saved is not None:  # a file of layout 1 held the noise key: it is rewritten without
+        saved.save(checkpoint)
     phases = [PhaseTimes() for _ in configs]
     datasets = []
     for cfg, times in zip(configs, phases, strict=True):  # bad data fails before any run

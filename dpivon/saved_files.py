@@ -11,7 +11,8 @@ layouts it reads (a run checkpoint's changed: `dpivon.runs.checkpoint`).
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+import reprlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,13 @@ Fields = Mapping[str, type | tuple[type, ...]]
 def read_saved(
     source: Path | bytes,
     what: str,
-    layouts: Mapping[int, Fields],
+    layouts: Mapping[int, Sequence[Fields]],
     where: str | Path | None = None,
 ) -> dict[str, Any]:
     """The dict a dpivon ``what`` file saved, read from ``source`` (a path, or the bytes of
-    the file at ``where``): of one of ``layouts`` (its version -> the fields it holds, each
-    of its type), its version under `FORMAT_KEY`; else one DpivonError line naming the file."""
+    the file at ``where``): of one of ``layouts`` (its version -> the field sets a file of it
+    may hold, each field of its type), its version under `FORMAT_KEY`; else one DpivonError
+    line naming the file."""
     if isinstance(source, Path):
         check_regular_file(source, what)  # a FIFO would block the read forever
         where, data = source, source.read_bytes()
@@ -60,18 +62,23 @@ def read_saved(
         )
     named = saved.get(FORMAT_KEY)
     layout = 1 if named is None else named
+    known = type(layout) is int and layout in layouts
     # a dict that names no layout is checked against the newest when layout 1 is not read
-    fields = layouts.get(layout, layouts[max(layouts)] if named is None else None)
-    if fields is None:
+    choices = layouts[layout] if known else layouts[max(layouts)] if named is None else None
+    if choices is None:
         readable = ", ".join(map(str, sorted(layouts)))
         raise DpivonError(
-            f"{what} {where} has layout version {layout!r}; this dpivon reads version "
-            f"{readable}; {fix}"
+            f"{what} {where} has layout version {reprlib.repr(layout)}; this dpivon reads "
+            f"version {readable}; {fix}"
         )
-    wrong = [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
-    if wrong:
+
+    def wrong(fields: Fields) -> list[str]:
+        return [k for k, kind in fields.items() if k not in saved or not isinstance(saved[k], kind)]
+
+    if all(wrong(fields) for fields in choices):
+        lacking = wrong(choices[0])
         raise DpivonError(
-            f"{what} {where} lacks {', '.join(repr(k) for k in wrong)} or holds another type "
+            f"{what} {where} lacks {', '.join(repr(k) for k in lacking)} or holds another type "
             f"there, so it is not a dpivon {what}; {fix}"
         )
     return {**saved, FORMAT_KEY: layout}

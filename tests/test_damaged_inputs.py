@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
-from damaged_files import DAMAGED_CHECKPOINTS
+from damaged_files import DAMAGED_CHECKPOINTS, SHAPED_TRAINING_STATE, torch_bytes
 from sweep_helpers import write_pipeline
 from typer.testing import CliRunner
 
@@ -17,8 +18,8 @@ from dpivon.cli import app
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
 from dpivon.models import build_model
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.runs import RunCheckpoint
-from dpivon.runs.checkpoint import TRAINING_STATE_KEYS
 from dpivon.search.groups import sweep_groups
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import group_name
@@ -110,10 +111,25 @@ def test_a_trial_checkpoint_of_the_sweep_passes_the_resume_check(tmp_path):
     group = groups[-1]
     assert "lr" in group.space.names
     config = parse_config({**group.base_config, "seed": 12345, "lr": 0.0123})
-    training = dict.fromkeys(TRAINING_STATE_KEYS)
+    training = SHAPED_TRAINING_STATE
     pipeline.storage.write_bytes(name, RunCheckpoint(config.flat(), training).to_bytes())
     _check_resume_files(pipeline.storage, groups)
     changed = config.replace(epochs=config.training.epochs + 1)
     pipeline.storage.write_bytes(name, RunCheckpoint(changed.flat(), training).to_bytes())
     with pytest.raises(DpivonError, match="another run configuration than this sweep"):
         _check_resume_files(pipeline.storage, groups)
+    # a trial's file of layout 1 (its bare releasable state) names no config: the trial
+    # adopts its own when it resumes
+    pipeline.storage.write_bytes(name, torch_bytes(training))
+    _check_resume_files(pipeline.storage, groups)
+    read = RunCheckpoint.read(pipeline.storage.read_bytes(name), name)
+    assert read.check_config(config, name).config == config.flat() and read.epoch == 1
+
+
+def test_a_sweep_started_before_the_rename_unpickles_its_storage(tmp_path):
+    """Tune's saved state pickled the storage by its old class name, SweepStorage."""
+    old = pickle.dumps(ResultsStorage(str(tmp_path), "s"), protocol=0).replace(
+        b"\nResultsStorage\n", b"\nSweepStorage\n"
+    )
+    assert b"SweepStorage" in old
+    assert pickle.loads(old).uri == ResultsStorage(str(tmp_path), "s").uri

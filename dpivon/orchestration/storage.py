@@ -258,6 +258,11 @@ class ResultsStorage:
         return sorted(info.base_name for info in infos)
 
 
+# The name under which sweeps started before the rename pickled it in Tune's state: their
+# `--resume` unpickles it by this name.
+SweepStorage = ResultsStorage
+
+
 @contextmanager
 def local_copy(location: str) -> Iterator[Path]:
     """A file or folder (local path or URI, e.g. a trial checkpoint) as a local path: the

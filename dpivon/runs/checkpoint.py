@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,13 @@ from dpivon.saved_files import FORMAT_KEY, read_saved, versioned
 CHECKPOINT_LAYOUT = 2
 CHECKPOINT_FIELDS = {"config": dict, "training": dict, "mlflow_run_id": str,
                      "seconds": (int, float)}  # fmt: skip
-# `dpivon train --checkpoint`'s layout 1: its whole state, the noise key included
+# What `training_state` holds, each of its type
+TRAINING_STATE = {"epoch": int, "model": dict, "optimizer": dict, "scheduler": dict,
+                  "accountant": (dict, type(None)), "rng": dict, "history": list}  # fmt: skip
+# Layout 1, a file per driver: `dpivon train --checkpoint`'s (its whole state, the noise key
+# included) and a sweep trial's (the releasable state alone; its config is the trial's)
 TRAIN_LAYOUT_1 = {"config": dict, "mlflow_run_id": str, "training": dict}
-# What `training_state` holds
-TRAINING_STATE_KEYS = ("epoch", "model", "optimizer", "scheduler", "accountant", "rng", "history")
+TRIAL_LAYOUT_1 = TRAINING_STATE
 
 
 def rng_states(setup: TrainingSetup) -> dict:
@@ -123,43 +126,48 @@ class RunCheckpoint:
     @classmethod
     def read(cls, source: Path | bytes, where: str | Path | None = None) -> RunCheckpoint:
         """The checkpoint in ``source`` (a path, or the bytes of the file at ``where``),
-        whatever its run: one line naming the file if it is not a dpivon checkpoint. A
-        `dpivon train --checkpoint` file of layout 1 reads as this one, made releasable."""
-        layouts = {1: TRAIN_LAYOUT_1, CHECKPOINT_LAYOUT: CHECKPOINT_FIELDS}
+        whatever its run: one line naming the file if it is not a dpivon checkpoint. Files
+        of layout 1 read as this one: train's made releasable, a trial's without a config
+        (`check_config` adopts the run's)."""
+        layouts = {1: [TRAIN_LAYOUT_1, TRIAL_LAYOUT_1], CHECKPOINT_LAYOUT: [CHECKPOINT_FIELDS]}
         return cls.from_saved(read_saved(source, "checkpoint", layouts, where), where or source)
 
     @classmethod
     def from_saved(cls, saved: dict[str, Any], where: str | Path) -> RunCheckpoint:
-        """The checkpoint of a file's dict (`read_saved`, of layout 2 or train's layout 1)."""
-        missing = [k for k in TRAINING_STATE_KEYS if k not in saved["training"]]
-        if missing:
+        """The checkpoint of a file's dict (`read_saved`, of layout 2 or one of layout 1)."""
+        if saved[FORMAT_KEY] == 1 and "training" not in saved:  # a trial's layout 1
+            state = {k: v for k, v in saved.items() if k != FORMAT_KEY}
+            saved = {FORMAT_KEY: 1, "config": {}, "training": state, "mlflow_run_id": "",
+                     "seconds": 0.0}  # fmt: skip
+        training = saved["training"]
+        wrong = [k for k, kind in TRAINING_STATE.items()
+                 if not isinstance(training.get(k), kind) or isinstance(training.get(k), bool)]
+        rng = training.get("rng")
+        if wrong or not isinstance(rng.get("randomness"), dict):
             raise DpivonError(
-                f"checkpoint {where} lacks the training state's {', '.join(missing)}, so it "
-                "is not a dpivon checkpoint; delete it or name another file"
+                f"checkpoint {where} lacks the training state's "
+                f"{', '.join(wrong or ['rng randomness'])} or holds another type there, so it "
+                "is not a dpivon checkpoint that can resume; delete it or name another file"
             )
-        if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT:
-            return cls(saved["config"], saved["training"], saved["mlflow_run_id"],
+        if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT or not saved["config"]:
+            return cls(saved["config"], training, saved["mlflow_run_id"],
                        float(saved["seconds"]))  # fmt: skip
-        rng = saved["training"]["rng"]
-        if not isinstance(rng, dict) or "randomness" not in rng:
-            raise DpivonError(
-                f"checkpoint {where} predates secure noise (it holds a seeded generator, no "
-                "noise key): it cannot resume; delete it to start the run again"
-            )
         try:  # train's layout 1 held the noise key: the state is made releasable here
             config = TrainConfig.model_validate(saved["config"])
         except ValueError as err:
             line = str(err).strip().splitlines()[0]
             raise DpivonError(f"checkpoint {where} holds no valid configuration ({line})") from None
-        training = releasable_state(config, saved["training"])
-        return cls(saved["config"], training, saved["mlflow_run_id"])
+        return cls(saved["config"], releasable_state(config, training), saved["mlflow_run_id"])
 
     def check_config(self, config: TrainConfig, where: str | Path) -> RunCheckpoint:
-        """This checkpoint, if it is ``config``'s."""
+        """This checkpoint, if it is ``config``'s (one that names no configuration, a
+        trial's of layout 1, takes ``config``)."""
+        if not self.config:
+            return replace(self, config=config.flat())
         if self.config != config.flat():
             raise DpivonError(
-                f"checkpoint {where} is of another run configuration; delete it (the run "
-                "then starts from its first epoch) or name the checkpoint of this one"
+                f"checkpoint {where} is of another run configuration; delete it: the run "
+                "then starts from its first epoch"
             )
         return self
 

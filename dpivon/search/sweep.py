@@ -383,11 +383,12 @@ def _trial_epsilons(
 def _check_resume_files(storage: ResultsStorage, groups: list[SweepGroup]) -> None:
     """Every trial checkpoint a resume would continue from reads back as a checkpoint of one
     of this sweep's groups (its settings, whatever the searched values and seed); a trial
-    checks its own configuration when it resumes."""
+    checks its own configuration when it resumes (and adopts it, for a file of layout 1,
+    which names none)."""
     for name in storage.files_named(TUNE_EXPERIMENT, RESUME_FILE):
         where = storage.location(name)
         config = RunCheckpoint.read(storage.read_bytes(name), where).config
-        if not any(_of_group(group, config) for group in groups):
+        if config and not any(_of_group(group, config) for group in groups):
             raise DpivonError(
                 f"checkpoint {where} is of another run configuration than this sweep's "
                 "trials; delete it (its trial then starts from its first epoch) or resume "
@@ -428,7 +429,8 @@ def run_sweep(
     counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)
-    _check_resume_files(storage, groups)  # before the store or Ray: a damaged one is named
+    if previous is not None:  # before the store or Ray: a damaged trial checkpoint is named
+        _check_resume_files(storage, groups)
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     finished = previous is not None and _every_trial_recorded(
         tracker, previous.parent_run_id, groups

@@ -128,8 +128,9 @@ def run_trial(
                 # trial end): it has trained; it says its result again.
                 tune.report({**json.loads(final.read_text()), REPLAYED: 1})
                 return
-            saved = RunCheckpoint.load(Path(directory) / RESUME_FILE, config)
-            resume_state = saved.training if saved is not None else None
+            # read, not load: a folder with neither file is an error, not a fresh start
+            path = Path(directory) / RESUME_FILE
+            resume_state = RunCheckpoint.read(path).check_config(config, path).training
 
     reported = {"epoch": resume_state["epoch"] if resume_state else 0}  # last epoch done
 

@@ -182,7 +182,7 @@ class CheckpointPlace:
         if not self.folder.exists(self.name):
             return None
         where = self.folder.location(self.name)
-        layouts = {1: BENCHMARK_LAYOUT_1, CHECKPOINT_LAYOUT: CHECKPOINT_FIELDS}
+        layouts = {1: [BENCHMARK_LAYOUT_1], CHECKPOINT_LAYOUT: [CHECKPOINT_FIELDS]}
         saved = read_saved(self.folder.read_bytes(self.name), "checkpoint", layouts, where)
         if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT:
             return RunCheckpoint.from_saved(saved, where).check_config(self.config, where)

@@ -36,7 +36,7 @@ def load_model_file(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Pos
     a file that is not one gets one line naming it."""
     path = Path(path)
     fields = {"config": dict, "model_state": dict, "posterior": (dict, type(None))}
-    state = read_saved(path, "model file", {FORMAT_VERSION: fields})
+    state = read_saved(path, "model file", {FORMAT_VERSION: [fields]})
     try:
         config = TrainConfig.model_validate(state["config"])
         model = build_model(config.model.name)
