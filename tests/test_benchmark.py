@@ -23,8 +23,8 @@ import pytest
 import ray
 import torch
 import yaml
-from damaged_files import DAMAGED_CHECKPOINTS
-from sweep_helpers import REPO, store_snapshot
+from damaged_files import DAMAGED_CHECKPOINTS, torch_bytes
+from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -862,20 +862,23 @@ def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
     assert "| dp-sgd | 8 | 3 | clean |" in markdown
 
 
-def test_the_committed_runs_in_flight_continue_from_their_layout_1_checkpoints():
-    """The benchmark's checkpoints written before every driver shared one format (committed
-    with the Tramer & Boneh anchor in flight) read back as today's, for their own
-    configuration only."""
-    pipeline = load_benchmark(REPO / "pipelines" / "reproduce-tramer-boneh-sigma.yaml")
-    found = {}
-    for spec in pipeline.runs:
-        place = CheckpointPlace.of(pipeline.storage, spec)
-        checkpoint = place.load()
-        if checkpoint is not None:
-            found[spec.key] = checkpoint.epoch
-            assert checkpoint.config == spec.config.flat() and checkpoint.seconds > 0
-            assert "key" not in checkpoint.training["rng"]["randomness"]
-            other = replace(place, config_hash="0" * 16)
-            with pytest.raises(DpivonError, match="another run configuration"):
-                other.load()
-    assert found == {"dp-sgd|eps3|seed0": 16, "dp-sgd|eps3|seed1": 16}
+def test_a_run_checkpoint_of_layout_1_continues_for_its_own_configuration_only(
+    tmp_path, monkeypatch, one_thread
+):
+    """The benchmark's checkpoint before every driver shared one format (its configuration
+    named by a hash; the Tramer & Boneh anchor's runs in flight were committed so) reads back
+    as today's and the run continues from it; under another configuration it is refused."""
+    config = checkpoint_config(epochs=2)
+    data = load_data(config)
+    place = CheckpointPlace.of(ResultsStorage(str(tmp_path), "bench"), RunSpec("m", 8.0, 0, config))
+    interrupted_after_first_epoch(monkeypatch, config, data, place)
+    today = place.load()
+    old = {"config_hash": place.config_hash, "training": today.training, "seconds": 5.0}
+    place.folder.write_bytes(place.name, torch_bytes(old))  # no layout key: layout 1
+    read = place.load()
+    assert read.config == config.flat() and read.epoch == 1 and read.seconds == 5.0
+    continued, epochs = resumed(config, data, place)
+    assert epochs == [2] and continued.wall_time_s > 5.0
+    place.folder.write_bytes(place.name, torch_bytes(old))
+    with pytest.raises(DpivonError, match="another run configuration"):
+        replace(place, config_hash="0" * 16).load()
