@@ -90,11 +90,24 @@ def read_images(paths: Iterable[str | Path]) -> tuple[list[str], np.ndarray]:
     return names, np.concatenate(batches)
 
 
+# Pillow's modes of 16-bit (and 32-bit integer) grey images, which its RGB conversion would
+# clip at 255 (a 16-bit PNG read as white): scaled to 8 bits here instead
+_WIDE_GREY_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
+
+
+def _rgb_pixels(image: Image.Image) -> np.ndarray:
+    """(H, W, 3) uint8 pixels of ``image``; a 16-bit grey image's 0-65535 scaled to 0-255."""
+    if image.mode not in _WIDE_GREY_MODES:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    grey = np.asarray(image, dtype=np.float64) / 257.0  # 65535 / 257 = 255
+    return np.repeat(grey.round().clip(0, 255).astype(np.uint8)[..., None], 3, axis=2)
+
+
 def _read_image(path: Path) -> np.ndarray:
     check_regular_file(path, "image")
     try:
         with Image.open(path) as image:
-            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+            pixels = _rgb_pixels(image)
     except (UnidentifiedImageError, OSError) as err:
         raise DpivonError(f"cannot read the image {path}: {err}") from None
     if pixels.shape != IMAGE_SHAPE:
