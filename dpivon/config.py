@@ -56,7 +56,7 @@ from dpivon.optim.registry import (
     OptimizerOptions,
     optimizer_options,
 )
-from dpivon.paths import check_input_file
+from dpivon.paths import read_input_text
 from dpivon.privacy.names import (
     AccountantName,
     EngineName,
@@ -594,11 +594,7 @@ _YamlLoader.add_implicit_resolver(
 
 def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
-    check_input_file(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as err:
-        raise DpivonError(f"cannot read {path} as UTF-8 text: {err}") from None
+    text = read_input_text(path)
     try:
         return yaml.load(text, Loader=_YamlLoader)
     except DuplicateKeyError as err:

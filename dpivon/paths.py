@@ -5,13 +5,15 @@ open would block) of at most :data:`MAX_INPUT_BYTES` (a config is a few KB; a bi
 is a mistake, and parsing it would take minutes). An output path must be
 writable: not a directory, not under a regular file, in a folder we may write to; checked
 without leaving anything behind (a probe file in the nearest existing folder is removed at
-once), so a refusal leaves the disk as it was.
+once), so a refusal leaves the disk as it was. Standard input is the one stream read where
+a file may be (`read_input_text`: ``-`` or /dev/stdin, through a pipe).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -61,6 +63,36 @@ def check_input_file(path: Path, what: str = "file") -> None:
             f"{what} {path} is {info.st_size:,} bytes, above the limit of "
             f"{MAX_INPUT_BYTES:,} bytes (1 MiB) for an input file; is it the right file?"
         )
+
+
+# The names that mean standard input (`--config -`, or /dev/stdin through a pipe)
+STDIN_NAMES = frozenset({"-", "/dev/stdin"})
+
+
+def read_input_text(path: Path, what: str = "file") -> str:
+    """The UTF-8 text of input file ``path`` (`check_input_file`), or of standard input
+    where ``path`` names it (read to its end, as large as a file may be)."""
+    if str(path) not in STDIN_NAMES:
+        check_input_file(path, what)
+        try:
+            return path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as err:
+            raise DpivonError(f"cannot read {path} as UTF-8 text: {err}") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise DpivonError(
+            f"{what} {path} is standard input, which is a terminal here: pipe the {what} in "
+            f"(cat run.yaml | dpivon train --config -) or name its file"
+        )
+    try:
+        text = sys.stdin.read(MAX_INPUT_BYTES + 1)
+    except (UnicodeDecodeError, OSError) as err:
+        raise DpivonError(f"cannot read {what} {path} as UTF-8 text: {err}") from None
+    if len(text) > MAX_INPUT_BYTES:
+        raise DpivonError(
+            f"{what} on standard input is above the limit of {MAX_INPUT_BYTES:,} bytes (1 MiB) "
+            "for an input file; is it the right file?"
+        )
+    return text
 
 
 def check_writable(path: Path, what: str) -> None:

@@ -11,8 +11,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import load_configs
 from dpivon.errors import DpivonError
-from dpivon.paths import MAX_INPUT_BYTES, check_writable
+from dpivon.paths import MAX_INPUT_BYTES, check_writable, read_input_text
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.space import load_search_space
 from dpivon.study.spec import load_benchmark
@@ -393,3 +396,28 @@ def test_an_existing_output_file_is_replaced_but_a_path_under_a_file_is_refused(
     with pytest.raises(DpivonError, match=r"is under .*out\.json, which is a file, not a folder"):
         check_writable(existing / "x.json", "--json")
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_config_on_standard_input_is_read_through_a_pipe(tmp_path, monkeypatch):
+    """`--config -` (or /dev/stdin) reads the piped config, checked like a file's; a
+    terminal on standard input is refused in one line instead of a wait for input."""
+    store = tmp_path / "store.db"
+    piped = "optimizer: dp-sgd\ndataset: synthetic\nsynthetic_size: 200\nepochs: 1\n"
+    args = ["train", "--config", "-", "--batch-size", "64", "--no-log-model",
+            "--json", tmp_path / "out.json", "--tracking-uri", f"sqlite:///{store}"]
+    with contextlib.chdir(tmp_path):
+        result = CliRunner().invoke(app, [str(a) for a in args], input=piped)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out.json").read_text())["optimizer"] == "dp-sgd"
+    with contextlib.chdir(tmp_path):
+        result = CliRunner().invoke(app, ["train", "--config", "/dev/stdin"],
+                                    input="optimizer: dp-sgd\nepsilonn: 3\n")
+    assert result.exit_code == 2 and "epsilonn: unknown key" in one_line(result)
+    monkeypatch.setattr(sys, "stdin", _Terminal())
+    with pytest.raises(DpivonError, match="standard input, which is a terminal"):
+        read_input_text(Path("-"), "config")
