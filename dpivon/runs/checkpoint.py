@@ -172,14 +172,11 @@ class RunCheckpoint:
         return self
 
     @classmethod
-    def load(cls, source: Path | bytes, config: TrainConfig, where: str | Path | None = None
-             ) -> RunCheckpoint | None:  # fmt: skip
-        """``config``'s checkpoint in ``source`` (as `read`); None where no file is."""
-        if isinstance(source, Path):
-            if not os.path.lexists(source):  # a FIFO or a symlink loop is refused, not opened
-                return None
-            where = source
-        return cls.read(source, where).check_config(config, where)
+    def load(cls, path: Path, config: TrainConfig) -> RunCheckpoint | None:
+        """``config``'s checkpoint at ``path`` (as `read`); None where no file is."""
+        if not os.path.lexists(path):  # a FIFO or a symlink loop is refused, not opened
+            return None
+        return cls.read(path).check_config(config, path)
 
     def save(self, path: Path) -> None:
         """Write it to ``path`` whole: an interrupted save leaves the previous epoch's."""
