@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 START_LOCAL_RAY = """
 import os, ray
 from dpivon.orchestration.ray_cluster import init_ray
@@ -16,8 +18,13 @@ ray.shutdown()
 """
 
 
-def test_a_local_ray_starts_with_token_authentication_and_without_its_warning(tmp_path):
+@pytest.mark.parametrize("ray_address", [None, "local"])  # none given, or RAY_ADDRESS=local
+def test_a_local_ray_starts_with_token_authentication_and_without_its_warning(
+    tmp_path, ray_address
+):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     env["HOME"] = str(tmp_path)  # Ray keeps its generated token under ~/.ray
     ran = subprocess.run(
         [sys.executable, "-c", START_LOCAL_RAY], env=env, capture_output=True, text=True,

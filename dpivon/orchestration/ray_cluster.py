@@ -47,14 +47,16 @@ def init_ray(address: str | None) -> bool:
     if address:
         _check_reachable(address)
     try:
-        if address:
+        if address and address != "local":
             ray.init(address=address, log_to_driver=False)
         else:
             # Ray starts its local cluster with token authentication (its default, kept) and
             # warns about that default at every start: nothing there for the user to do.
             # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
+            # "local" starts a cluster of this process's own even beside a `ray start` one.
             logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
     return bool(address) and address != "local"
