@@ -144,6 +144,21 @@ REFUSALS = {
     "sweep epsilon below the floor": (["sweep", "sweep:epsilons=[1.0e-12]"], "smallest"),
     "benchmark storage under a file": (["benchmark", "bench:storage_path={file}/x"],
                                        "which is a file"),
+    # without credentials GCS waits on a metadata server for minutes; refused within seconds
+    "sweep storage on GCS that does not answer": (
+        ["sweep", "sweep:storage_path=gs://dpivon-no-such-bucket/runs"],
+        "cannot reach gs://dpivon-no-such-bucket/runs/refused"),
+    "benchmark storage on GCS that does not answer": (
+        ["benchmark", "bench:storage_path=gs://dpivon-no-such-bucket/runs"],
+        "cannot reach gs://dpivon-no-such-bucket/runs/refused"),
+    "sweep resources beyond this machine": (["sweep", "sweep:resources={{cpu: 4096}}"],
+                                            "each trial asks for 4096 CPU and 0 GPU"),
+    "benchmark resources beyond this machine": (["benchmark", "bench:resources={{gpu: 64}}"],
+                                                "each run asks for 1 CPU and 64 GPU"),
+    "sweep device cuda without a GPU per trial": (["sweep", "sweep:train={{device: cuda}}"],
+                                                  "device cuda needs a GPU for each run"),
+    "benchmark device cuda:0 without a GPU per run": (
+        ["benchmark", "bench:train={{device: 'cuda:0'}}"], "device cuda:0 needs a GPU"),
     "benchmark epsilon below the floor": (["benchmark", "bench:epsilons=[1.0e-12]"],
                                           "smallest"),
     "train --shift unknown": ([*SYNTHETIC_TRAIN, "--shift=most"], "--shift takes default or full"),

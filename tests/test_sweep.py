@@ -479,11 +479,21 @@ def test_asha_compares_a_trial_with_its_own_group_only():
     assert report("b2", 0.05) == TrialScheduler.STOP  # below b1, of its own group
 
 
-def test_a_trial_no_node_can_host_is_one_line_before_any_run(tmp_path):
-    path = write_pipeline(tmp_path, name="gpu", resources={"cpu": 1, "gpu": 1})
-    result = runner.invoke(app, ["sweep", str(path)])
+@pytest.mark.parametrize(("address", "resources", "message"), [
+    # a local Ray: this machine, checked before Ray starts
+    (None, {"cpu": 1, "gpu": 64}, "more than this machine has"),
+    # a cluster (here this module's Ray of 2 CPUs): its nodes, once joined
+    ("auto", {"cpu": 3, "gpu": 0}, "more than any node of the Ray cluster has (nodes: 2 CPU"),
+])  # fmt: skip
+def test_a_trial_no_node_can_host_is_one_line_before_any_run(
+    tmp_path, address, resources, message
+):
+    path = write_pipeline(tmp_path, name="big", resources=resources)
+    address_option = ["--address", address] if address else []
+    result = runner.invoke(app, ["sweep", str(path), *address_option])
     assert result.exit_code == 2, result.output
-    assert "1 GPU" in result.output and "more than any node" in result.output
+    assert f"{resources['cpu']:g} CPU and {resources['gpu']:g} GPU" in result.output
+    assert message in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
     _, parents, children = runs_of(tmp_path, load_pipeline(path).experiment)
     assert parents == [] and children == []

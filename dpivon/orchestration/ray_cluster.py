@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import optuna
 import ray
+import torch
 
 from dpivon.errors import DpivonError
+from dpivon.orchestration.run_file import Resources
 
 RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for minutes
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before runs start
 
 
 def _check_reachable(address: str) -> None:
@@ -60,3 +64,57 @@ def init_ray(address: str | None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
     return bool(address) and address != "local"
+
+
+def _starts_local_ray(address: str | None) -> bool:
+    address = address or os.environ.get("RAY_ADDRESS")
+    return not address or address == "local"
+
+
+def _too_big(resources: Resources, what: str, nodes: str) -> DpivonError:
+    return DpivonError(
+        f"each {what} asks for {resources.cpu:g} CPU and {resources.gpu:g} GPU (the "
+        f"resources: key), more than {nodes}; lower resources: or run on a cluster with such "
+        "a node"
+    )
+
+
+def check_fits_here(resources: Resources, address: str | None, what: str) -> None:
+    """A local Ray is this machine: a ``what`` (trial, run) asking for more than it has is
+    refused before Ray starts or a store opens. A cluster's nodes are checked once joined
+    (:func:`connect`)."""
+    if not _starts_local_ray(address):
+        return
+    cpus, gpus = len(os.sched_getaffinity(0)), torch.cuda.device_count()
+    if resources.cpu > cpus or resources.gpu > gpus:
+        raise _too_big(resources, what, f"this machine has ({cpus} CPU, {gpus} GPU)")
+
+
+def trial_slots(resources: Resources, what: str, wait_s: float = 0.0) -> int:
+    """How many ``what``s (trials, runs) the cluster's nodes hold at once (each on one node).
+
+    None fitting anywhere is an error now (Ray would wait forever); nodes that are still
+    joining get ``wait_s`` seconds.
+    """
+    need = {"CPU": resources.cpu, "GPU": resources.gpu}
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        slots = sum(
+            min(int(node.get(k, 0.0) // v) for k, v in need.items() if v > 0) for node in nodes
+        )
+        if slots > 0:
+            return slots
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    have = "; ".join(f"{n.get('CPU', 0):g} CPU, {n.get('GPU', 0):g} GPU" for n in nodes)
+    raise _too_big(resources, what, f"any node of the Ray cluster has (nodes: {have or 'none'})")
+
+
+def connect(address: str | None, resources: Resources, what: str) -> int:
+    """Connect to the Ray cluster (:func:`init_ray`), check that a ``what`` fits on one of
+    its nodes, and return how many fit at once."""
+    check_fits_here(resources, address, what)
+    joined = init_ray(address)
+    return trial_slots(resources, what, NODE_JOIN_WAIT_S if joined else 0.0)

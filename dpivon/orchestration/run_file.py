@@ -234,6 +234,13 @@ class RunFile(StrictModel):
     def _check_runs(self) -> RunFile:
         check_delta(self.delta, self.data.train_size)
         for where, train in self.train_blocks().items():
+            device = str(train.get("device", "auto"))
+            if device.startswith("cuda") and self.resources.gpu == 0:
+                # Ray hides every GPU from a task that asks for none
+                raise ValueError(
+                    f"{where}: device {device} needs a GPU for each run; set resources: "
+                    "{gpu: 1} (or a fraction), or device auto"
+                )
             owned = [key for key in train if key in self.owned_keys]
             if owned:
                 raise ValueError(

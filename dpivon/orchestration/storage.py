@@ -59,6 +59,8 @@ from dpivon.tracking.client import redact_uri
 
 __all__ = ["ResultsStorage", "local_copy", "open_uri"]
 
+STORE_ANSWER_S = 1  # retries of the HEAD that checks an object store answers, in seconds
+
 
 def _is_uri(location: str) -> bool:
     return "://" in location
@@ -75,9 +77,10 @@ def open_uri(location: str) -> tuple[pafs.FileSystem, str]:
 
 
 def _one_line(err: BaseException) -> str:
-    # pyarrow's errors carry the AWS SDK's multi-line detail; the first line says it.
+    # pyarrow's errors carry the AWS SDK's multi-line detail, and Google's a paragraph on
+    # one line: the first sentence of the first line says it.
     text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    return text[0].split(". ")[0] if text else type(err).__name__
 
 
 class ResultsStorage:
@@ -168,9 +171,23 @@ class ResultsStorage:
 
     def check_writable(self) -> None:
         """A local sweep folder can be made and written (checked without creating it); an
-        object store answers only when written, which the sweep's first write does."""
+        object store answers, within seconds (whether it lets us write, only the sweep's
+        first write tells)."""
         if self.is_local:
             check_writable_folder(Path(self.path), "storage_path")
+            return
+        filesystem = self.filesystem
+        if self._scheme == "gs":
+            # GCS retries for 15 minutes, and without credentials it waits on a metadata
+            # server that is not there: a bounded retry policy for this one question.
+            parts = urllib.parse.urlsplit(self.uri)
+            query = dict(urllib.parse.parse_qsl(parts.query))
+            query.setdefault("retry_limit_seconds", str(STORE_ANSWER_S))
+            filesystem, _ = open_uri(urllib.parse.urlunsplit(
+                parts._replace(query=urllib.parse.urlencode(query))
+            ))
+        with self._errors("reach", ""):
+            filesystem.get_file_info(self.path)
 
     def exists(self, name: str = "") -> bool:
         with self._errors("check", name):

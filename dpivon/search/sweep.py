@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pandas as pd
-import ray
 from ray import tune
 from rich.console import Console
 
@@ -42,8 +41,7 @@ from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted
 from dpivon.orchestration.provenance import provenance
-from dpivon.orchestration.ray_cluster import init_ray
-from dpivon.orchestration.run_file import Resources
+from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.tuning import solve_trial_epsilon_within
@@ -65,7 +63,6 @@ from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
 
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
-NODE_JOIN_WAIT_S = 120.0  # how long a cluster's nodes may take to join before a sweep starts
 SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
 _TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
 console = Console(stderr=True)
@@ -259,41 +256,6 @@ def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
 # --- Ray ------------------------------------------------------------------------------------
 
 
-def trial_slots(resources: Resources, wait_s: float = 0.0) -> int:
-    """How many trials the cluster's nodes hold at once (each trial on one node).
-
-    None fitting anywhere is an error now (Tune would wait forever); nodes that are still
-    joining get ``wait_s`` seconds.
-    """
-    need = {"CPU": resources.cpu, "GPU": resources.gpu}
-    deadline = time.monotonic() + wait_s
-    while True:
-        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        slots = sum(
-            min(int(node.get(k, 0.0) // v) for k, v in need.items() if v > 0) for node in nodes
-        )
-        if slots > 0:
-            return slots
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(2.0)
-    have = "; ".join(f"{n.get('CPU', 0):g} CPU, {n.get('GPU', 0):g} GPU" for n in nodes)
-    raise DpivonError(
-        f"each trial asks for {resources.cpu:g} CPU and {resources.gpu:g} GPU (the pipeline's "
-        f"resources:), more than any node of the Ray cluster has (nodes: {have or 'none'}); "
-        "lower resources: or run on a cluster with such a node"
-    )
-
-
-def _cluster_concurrency(pipeline: Pipeline, address: str | None) -> int:
-    """Connect to the Ray cluster, check that a trial fits on it, and return how many
-    trials run at once."""
-    joined = init_ray(address)
-    slots = trial_slots(pipeline.resources, NODE_JOIN_WAIT_S if joined else 0.0)
-    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
-    return pipeline.concurrency or slots
-
-
 # --- the sweep ------------------------------------------------------------------------------
 
 
@@ -413,6 +375,7 @@ def run_sweep(
     sweep runs no trial and changes none of its results. Raises
     :class:`SweepInterrupted` after SIGINT / SIGTERM, once the sweep is stopped cleanly."""
     storage = pipeline.storage
+    check_fits_here(pipeline.resources, address, "trial")
     storage.check_writable()
     tracking_wait_s()  # a bad $DPIVON_TRACKING_WAIT_S fails now, not when the trials end
     exists = SweepState.exists(storage)
@@ -437,7 +400,9 @@ def run_sweep(
     )
     # Everything that can reject the sweep runs before its parent run is opened; a finished
     # sweep needs no cluster.
-    concurrency = 0 if finished else _cluster_concurrency(pipeline, address)
+    slots = 0 if finished else connect(address, pipeline.resources, "trial")
+    # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
+    concurrency = (pipeline.concurrency or slots) if slots else 0
     tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))

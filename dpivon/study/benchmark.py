@@ -42,7 +42,7 @@ from dpivon.evaluation import evaluate_as_configured
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
-from dpivon.orchestration.ray_cluster import init_ray
+from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_statement
@@ -594,12 +594,26 @@ def run_benchmark(
     can complete it later. ``report_only``: train nothing, report on the runs completed so
     far (an interrupted benchmark's, whose parent keeps its status).
     """
+    if not report_only:
+        check_fits_here(pipeline.resources, address, "run")
     pipeline.storage.check_writable()
-    if resume and not report_only:
-        _check_run_checkpoints(pipeline)
-    tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     if report_only:
-        return _report_only(pipeline, tracker)
+        return _report_only(pipeline, Tracker(tracking_uri or pipeline.tracking_uri,
+                                              pipeline.experiment))
+    if resume:
+        _check_run_checkpoints(pipeline)
+    connect(address, pipeline.resources, "run")  # a cluster no run fits: before the store
+    # from Ray's start on, whose own SIGTERM handler would abort the driver
+    with signals_interrupt():
+        tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
+        return _run_and_report(pipeline, tracker, resume)
+
+
+def _run_and_report(
+    pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
+) -> BenchmarkOutcome:
+    """The benchmark's phases once its cluster is up: its parent run, the runs still to do,
+    the report; the parent ends FINISHED, KILLED (interrupted) or FAILED."""
     data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
     existing = tracker.child_runs_by_tag(parent, KEY_TAG)
@@ -612,14 +626,10 @@ def run_benchmark(
     )
     try:
         if todo:
-            init_ray(address)
-        # after Ray's start, whose own SIGTERM handler would abort the driver
-        with signals_interrupt():
-            if todo:
-                execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
-            outcome.report, outcome.report_files = report_benchmark(
-                pipeline, tracker, parent, outcome.failed
-            )
+            execute_runs(pipeline, tracker, parent, todo, existing, data, outcome)
+        outcome.report, outcome.report_files = report_benchmark(
+            pipeline, tracker, parent, outcome.failed
+        )
     except KeyboardInterrupt:
         tracker.end_run(parent, "KILLED")
         raise
