@@ -427,6 +427,20 @@ BAD_SPACES = {
         "params.lr = 0.0 is not a valid dp-sgd setting: lr must be finite and > 0",
     ),
     "fixed-wrong-type": ("params: {batch_size: lots}", "params.batch_size = 'lots'"),
+    # a categorical's every choice meets the other parameters' bounds: neither all-low
+    # (nesterov false, momentum 0) nor all-high (nesterov true, momentum 0.9) is invalid
+    "branch-meets-a-bound": (
+        "params:\n  nesterov: {type: categorical, choices: [false, true]}\n"
+        "  momentum: {type: float, low: 0.0, high: 0.9}\n",
+        "nesterov = True and all parameters at their low values {'momentum': 0.0, "
+        "'nesterov': True} is not a valid dp-sgd setting: optimizer: nesterov needs momentum > 0",
+    ),
+    "branch-meets-a-bound-ivon": (
+        "optimizer: dp-ivon-gradsq\nparams:\n"
+        "  engine: {type: categorical, choices: [ghost, hooks]}\n"
+        "  mc_samples: {type: int, low: 1, high: 2}\n",
+        "engine = 'ghost' and all parameters at their high values",
+    ),
     "estimator-contradiction": (
         "params: {hess_approx: price}",
         "contradicts",

@@ -277,19 +277,35 @@ class SearchSpace:
     def bound_configs(self) -> list[tuple[str, dict[str, Any]]]:
         """(description, TrainConfig keys) pairs covering every bound and choice.
 
-        Each parameter's every extreme value alone, then every parameter at its first
-        extreme (low / first choice) and at its last (high / last choice) together, the
-        conditions applied as in a trial (a combination no trial can draw is not refused);
-        switches dropped.
+        Each parameter's every extreme value alone; then every parameter at its first
+        extreme (low / first choice) and at its last (high / last choice) together, and the
+        same two with each categorical (switches included) held at each of its choices, so
+        that every branch meets every other parameter's bounds; the conditions applied as in
+        a trial (a combination no trial can draw is not refused); switches dropped.
         """
         extremes = {key: _extremes(self.params[name]) for name, key in self.keys.items()}
         configs = [
             (f"params.{k} = {_shown.repr(v)}", {k: v}) for k, vs in extremes.items() for v in vs
         ]
-        for label, index in (("low", 0), ("high", -1)):
-            active = self._active_values(lambda _, param, i=index: _extremes(param)[i])
-            combo = {self.keys[name]: v for name, v in active.items() if name in self.keys}
-            configs.append((f"all parameters at their {label} values {_shown.repr(combo)}", combo))
+        branches: list[tuple[str, Any] | None] = [None] + [
+            (name, choice)
+            for name, param in self.params.items()
+            if isinstance(param, CategoricalDistribution)
+            for choice in param.choices
+        ]
+        for branch in branches:
+            for label, index in (("low", 0), ("high", -1)):
+
+                def draw(name: str, param: Any, i: int = index) -> Any:
+                    held = branch is not None and name == branch[0]
+                    return branch[1] if held else _extremes(param)[i]
+
+                active = self._active_values(draw)
+                combo = {self.keys[name]: v for name, v in active.items() if name in self.keys}
+                held = "" if branch is None else f"{branch[0]} = {_shown.repr(branch[1])} and "
+                configs.append(
+                    (f"{held}all parameters at their {label} values {_shown.repr(combo)}", combo)
+                )
         return [(d, {"optimizer": self.optimizer, **c}) for d, c in configs]
 
 
