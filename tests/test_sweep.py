@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -172,6 +173,25 @@ def test_resuming_a_finished_sweep_twice_changes_nothing(finished_sweep):
     assert {r[1] for r in before["models"]} == set(front.run_id)  # one model per member
     parent = next(run for run in before["runs"].values() if run[1].get("dpivon.kind") == "sweep")
     assert "test_accuracy" in parent[1]["mlflow.note.content"]
+
+
+def test_a_finished_sweep_copied_elsewhere_resumes_there_and_keeps_its_record(
+    finished_sweep, tmp_path
+):
+    """Its folder and store copied (or committed and cloned) elsewhere, a resume there makes
+    the report from the copy: the trials' checkpoints, recorded under the first folder, are
+    found in the copy, and the recorded parent stays FINISHED (it turned FAILED)."""
+    source, pipeline, _ = finished_sweep
+    copy = tmp_path / "runs" / pipeline.name
+    shutil.copytree(sweep_folder(pipeline), copy)
+    shutil.copy(source / "mlflow.db", tmp_path / "mlflow.db")
+    moved = write_pipeline(tmp_path)  # the same sweep, its folder and store under tmp_path
+    result = runner.invoke(app, ["sweep", str(moved), "--resume"])
+    assert result.exit_code == 0, result.output
+    _, parents, _ = runs_of(tmp_path, pipeline.experiment)
+    assert [parent.info.status for parent in parents] == ["FINISHED"]
+    checkpoints = pd.read_csv(copy / "trials.csv")["checkpoint"].dropna()
+    assert len(checkpoints) and all((copy / name).is_dir() for name in checkpoints)
 
 
 def test_export_then_train_runs_the_trial_config(finished_sweep, tmp_path):

@@ -142,15 +142,19 @@ class ResultsStorage:
         URI with the folder's options."""
         return self.uri_of(self._full(name))
 
-    def name_of(self, location: str) -> str:
+    def name_of(self, location: str, recorded_at: str | None = None) -> str:
         """The name of a file of this folder from its location (the inverse of
         :meth:`location`): a record that names it so still finds it once the folder is
-        copied, downloaded or committed elsewhere."""
+        copied, downloaded or committed elsewhere. ``recorded_at``: where the folder was
+        when the location was recorded (a copied folder's older records point there)."""
         _, path = open_uri(location)
-        try:
-            return PurePosixPath(path).relative_to(self.path).as_posix()
-        except ValueError:
-            raise DpivonError(f"{redact_uri(location)} is not in {redact_uri(self.uri)}") from None
+        folders = [self.path] + ([open_uri(recorded_at)[1]] if recorded_at else [])
+        for folder in folders:
+            try:
+                return PurePosixPath(path).relative_to(folder).as_posix()
+            except ValueError:
+                continue
+        raise DpivonError(f"{redact_uri(location)} is not in {redact_uri(self.uri)}")
 
     def experiment_path(self, experiment: str) -> str:
         """The path of a Tune experiment (``RunConfig(name=experiment)``) on

@@ -23,6 +23,7 @@ CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
 OPTIMIZER_TAG = "dpivon.optimizer"
 BUDGET_TAG = "dpivon.epsilon"  # the group's budget: what its fronts and exports go by
+SWEEP_DIR_TAG = "dpivon.sweep_dir"  # on the parent: the sweep's folder when it started
 TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
 
 
@@ -92,6 +93,7 @@ def trials_table(tracker: Tracker, parent_run_id: str, storage: ResultsStorage) 
     filter goes by it), ``trial_epsilon`` what the trial spent: the same number unless the
     sweep has a ``total_epsilon``."""
     rows = []
+    recorded_at = tracker.run_tags(parent_run_id).get(SWEEP_DIR_TAG)  # before any copy
     for run in tracker.child_runs(parent_run_id):
         tags, params = run.data.tags, run.data.params
         checkpoint = tags.get(CHECKPOINT_TAG)
@@ -104,7 +106,7 @@ def trials_table(tracker: Tracker, parent_run_id: str, storage: ResultsStorage) 
                 "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
                 "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
                 "status": trial_status(run).value,
-                "checkpoint": checkpoint and storage.name_of(checkpoint),
+                "checkpoint": checkpoint and storage.name_of(checkpoint, recorded_at),
                 **{f"param.{k}": v for k, v in params.items()},
                 **run.data.metrics,
             }

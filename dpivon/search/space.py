@@ -50,6 +50,7 @@ import dataclasses
 import math
 import reprlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -155,6 +156,16 @@ def _extremes(param: Any) -> list[Any]:
     if isinstance(param, CategoricalDistribution):
         return list(param.choices)
     return [param.low, param.high] if isinstance(param, BaseDistribution) else [param]
+
+
+def _at_extreme(index: int, held: tuple[str, Any] | None) -> Callable[[str, Any], Any]:
+    """A draw that takes every parameter's extreme ``index`` (0: low, -1: high), except the
+    one ``held`` (name, value) at its value."""
+
+    def draw(name: str, param: Any) -> Any:
+        return held[1] if held is not None and name == held[0] else _extremes(param)[index]
+
+    return draw
 
 
 @dataclass(frozen=True)
@@ -295,12 +306,7 @@ class SearchSpace:
         ]
         for branch in branches:
             for label, index in (("low", 0), ("high", -1)):
-
-                def draw(name: str, param: Any, i: int = index) -> Any:
-                    held = branch is not None and name == branch[0]
-                    return branch[1] if held else _extremes(param)[i]
-
-                active = self._active_values(draw)
+                active = self._active_values(_at_extreme(index, branch))
                 combo = {self.keys[name]: v for name, v in active.items() if name in self.keys}
                 held = "" if branch is None else f"{branch[0]} = {_shown.repr(branch[1])} and "
                 configs.append(

@@ -53,6 +53,7 @@ from dpivon.search.results import (
     ERROR_TAG,
     GROUP_TAG,
     STATUS_TAG,
+    SWEEP_DIR_TAG,
     TrialStatus,
     group_name,
     outcome_recorded,
@@ -403,7 +404,7 @@ def run_sweep(
     slots = 0 if finished else connect(address, pipeline.resources, "trial")
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     concurrency = (pipeline.concurrency or slots) if slots else 0
-    tags = {"dpivon.kind": "sweep", "dpivon.sweep_dir": storage.uri}
+    tags = {"dpivon.kind": "sweep", SWEEP_DIR_TAG: storage.uri}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))
         resumed = previous.parent_run_id if previous else None

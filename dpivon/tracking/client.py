@@ -224,6 +224,9 @@ class Tracker:
             local = self.client.download_artifacts(run_id, artifact_file, tmp)
             return json.loads(Path(local).read_text())
 
+    def run_tags(self, run_id: str) -> dict[str, str]:
+        return dict(self.client.get_run(run_id).data.tags)
+
     def run_status(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.status
 
