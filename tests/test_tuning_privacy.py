@@ -6,6 +6,7 @@ import itertools
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
@@ -27,6 +28,7 @@ from dpivon.privacy.tuning import (
     worst_case_tuning_epsilon,
 )
 from dpivon.privacy.tuning_report import composition_facts, tuning_privacy_report
+from dpivon.search.description import parent_description
 
 DELTA = 1e-5
 # The brief's checked setting: q 0.01, sigma 0.548, 300 steps, delta 1e-5.
@@ -246,10 +248,25 @@ def test_a_hidden_trial_count_leaves_no_trace_in_the_report(ran):
     assert report["trial_count"] == "poisson" and report["mean_trials"] == 8
     assert report == tuning_privacy_report([BRIEF] * 5, DELTA, best, candidates=[BRIEF])
     assert "kept private" in report["quote"] and "OS entropy" in report["quote"]
+    # the condition the quote rests on is said beside it, and what breaks it
+    assert "only while the number of trials K stays hidden" in report["holds_while"]
+    assert "MLflow store" in report["holds_while"] and "console" in report["holds_while"]
     # what it leaves out is still there for the private state: the composition of what ran
     facts = composition_facts([BRIEF] * ran, DELTA)
     assert facts["num_trials"] == ran
     assert facts["composition_epsilon"] == pytest.approx(composition_epsilon([BRIEF] * ran, DELTA))
+    # the parent's description, inside the store that counts the trials anyway, gives it
+    front = pd.DataFrame({"optimizer": ["dp-sgd"], "epsilon": [8.0], "trial_id": ["a"],
+                          "val_accuracy": [0.5]})
+    report = {**report, "trial_epsilon": 1.0}  # as the sweep's report adds it
+    text = parent_description(front, [("val_accuracy", "max")], {"g": report},
+                              hidden_counts={"g": facts})
+    assert report["holds_while"] in text
+    shared = f"the {ran} trials that ran holds, epsilon {facts['composition_epsilon']:.3g}"
+    assert shared in text
+    assert "if this store is shared" not in parent_description(
+        front, [("val_accuracy", "max")], {"g": report}
+    )  # without the facts, no figure is made up
 
 
 def test_the_report_says_why_it_composes_rdp_for_prv_calibrated_trials():

@@ -112,6 +112,17 @@ def _composition_bound(
     return _QuotedBound(entries, facts["composition_rdp"], "composition_epsilon", why)
 
 
+# What the random-trials quote assumes, said beside it: the same words whatever K was.
+HIDDEN_K_CONDITION = (
+    "this bound holds only while the number of trials K stays hidden from whoever is "
+    "protected against: the released model and this report show K's distribution alone, but "
+    "the sweep's MLflow store (its child runs, trials.csv, the front plots) and its console "
+    "output count the trials; against anyone who reads them, the composition over the trials "
+    "that ran holds (given in the parent run's description, inside that store, and in "
+    "tuning_private.json in the sweep's folder)"
+)
+
+
 def _random_trials_bound(
     candidates: Sequence[TrialMechanism], delta: float, conditions: SweepConditions
 ) -> _QuotedBound:
@@ -137,6 +148,7 @@ def _random_trials_bound(
         f"metrics, and only one selected model is released: the Papernot & Steinke bound "
         f"over all {len(candidates)} candidate mechanisms of the search space applies"
     )
+    entries["holds_while"] = HIDDEN_K_CONDITION
     return _QuotedBound(entries, curve, "random_trials_epsilon", why)
 
 

@@ -20,16 +20,29 @@ def _trials_cell(report: dict[str, Any]) -> str:
     return f"{report['trial_count']}, mean {report['mean_trials']:g} (count private)"
 
 
+def _shared_store(group: str, facts: dict[str, Any]) -> str:
+    return (
+        f"- **{group}**, if this store is shared: the quote above assumes K hidden, which "
+        f"this store does not keep; against its readers the composition over the "
+        f"{facts['num_trials']} trials that ran holds, epsilon "
+        f"{facts['composition_epsilon']:.3g}"
+    )
+
+
 def parent_description(
     front: pd.DataFrame,
     objectives: list[tuple[str, str]],
     privacy: dict[str, dict[str, Any]],
     research_mode: bool = False,
+    hidden_counts: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """The parent run's Markdown description: the released front rows and the epsilons to
     quote, within MLflow's tag length (rows that do not fit are left to the front's CSV).
-    A group whose trial count is private shows its distribution, not the count. In research
-    mode it opens by saying that no DP guarantee holds."""
+    A group whose trial count is private shows its distribution, not the count, and the
+    condition its quote rests on; ``hidden_counts`` (its :func:`composition_facts`) gives,
+    beside it, what holds against readers of this store, which counts the trials anyway.
+    In research mode it opens by saying that no DP guarantee holds."""
+    hidden_counts = hidden_counts or {}
     columns = [
         "optimizer",
         "epsilon",
@@ -64,6 +77,13 @@ def parent_description(
         "",
         *(f"- **{group}**: {r['quote']}" for group, r in privacy.items()),
         *(f"- **{group}**: {r['tuned_as']}" for group, r in privacy.items() if "tuned_as" in r),
+        *(f"- **{group}**: {r['holds_while']}" for group, r in privacy.items()
+          if "holds_while" in r),
+        *(
+            _shared_store(group, hidden_counts[group])
+            for group, r in privacy.items()
+            if "holds_while" in r and group in hidden_counts
+        ),
     ]
 
     def text(shown: int) -> str:

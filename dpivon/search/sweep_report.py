@@ -163,7 +163,8 @@ def report_sweep(
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
     tracker.log_changed_metrics(parent_run_id, metrics)
-    description = parent_description(released, objectives, privacy, pipeline.research_mode)
+    description = parent_description(released, objectives, privacy, pipeline.research_mode,
+                                     hidden_counts=private)
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
