@@ -20,6 +20,7 @@ from dpivon.commands import (
     progress_bar,
     stops_on_signals,
     user_errors,
+    warn_of_research_mode,
 )
 from dpivon.config import BmaSamples, load_configs, parse_config
 from dpivon.constraints import Seed, check_bound
@@ -145,6 +146,7 @@ def train(
             datasets.append(load_data(cfg))
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
+    warn_of_research_mode(any(c.privacy.research_mode and c.is_private for c in configs))
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
@@ -260,6 +262,7 @@ def sweep(
     from dpivon.search.sweep import SweepInterrupted, run_sweep
 
     loaded = load_pipeline(pipeline)
+    warn_of_research_mode(loaded.research_mode)
     try:
         trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
     except SweepInterrupted as stop:
@@ -302,6 +305,7 @@ def benchmark(
     if resume and report_only:
         raise DpivonError("--resume trains and --report-only does not: pass one of them")
     loaded = load_benchmark(pipeline)
+    warn_of_research_mode(loaded.research_mode and not report_only)
     try:
         outcome = run_benchmark(
             loaded,

@@ -28,6 +28,7 @@ from dpivon.config import (
 from dpivon.errors import DpivonError
 from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
 from dpivon.paths import check_writable
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 
 
 class OneLineUsageErrors(typer.core.TyperGroup):
@@ -229,6 +230,13 @@ def progress_bar(enabled: bool) -> Iterator[Callable]:
 
 
 Opt = Annotated
+
+
+def warn_of_research_mode(research: bool) -> None:
+    """Once, on the console of a command that trains in research mode: nothing it releases
+    has a DP guarantee (its runs say so too: the dpivon.noise tag)."""
+    if research:
+        console.print(f"[bold yellow]warning:[/] {RESEARCH_MODE_WARNING}", highlight=False)
 
 
 def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:

@@ -28,6 +28,7 @@ from dpivon.cli import app
 from dpivon.config import load_configs
 from dpivon.errors import DpivonError
 from dpivon.paths import MAX_INPUT_BYTES, check_writable, read_input_text
+from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.space import load_search_space
 from dpivon.study.spec import load_benchmark
@@ -248,6 +249,30 @@ def test_a_refusal_comes_first_in_one_line_and_leaves_nothing_behind(tmp_path, c
     assert not (tmp_path / "store.db").exists() and not (tmp_path / "runs").exists()
     assert sorted(p.name for p in work.iterdir()) == []
     assert regular.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "benchmark"])
+def test_research_mode_is_said_once_on_the_console_of_every_command_that_trains(
+    tmp_path, command
+):
+    """Nothing a research-mode command releases has a DP guarantee: it says so once, before
+    it trains (a sweep or benchmark is then refused for its resources: cheaply); in secure
+    mode, the default, it does not."""
+
+    def arguments(research: bool) -> list:
+        if command == "train":
+            mode = "--research-mode" if research else "--no-research-mode"
+            return [*SYNTHETIC_TRAIN, "--set", "synthetic_size=330", "--set", "val_size=30",
+                    "--batch-size=30", "--bma-samples=0", mode]
+        write = _sweep if command == "sweep" else _benchmark
+        return [command, write(tmp_path, research_mode=research, resources={"cpu": 4096})]
+
+    warning = f"warning: {RESEARCH_MODE_WARNING}"
+    for research in (True, False):
+        result = invoke(arguments(research), tmp_path, tmp_path / f"{research}.db")
+        assert result.exit_code == (0 if command == "train" else 2), result.output
+        said = " ".join(result.output.split()).count(warning)
+        assert said == (1 if research else 0), result.output
 
 
 # -- special files: refused by what they are, never opened (a FIFO's open blocks) -----------

@@ -608,6 +608,12 @@ def test_a_default_sweep_releases_models_no_retrain_reproduces(finished_sweep, t
     ((research_run, _, research_checkpoint),) = released_models(tmp_path, research)
     tags = research_client.get_run(research_run).data.tags
     assert tags["dpivon.noise"] == RESEARCH_MODE_WARNING
+    # every run says which noise ran, whether or not it logged a model
+    _, research_parents, research_children = runs_of(tmp_path, research.experiment)
+    for run in research_parents + research_children:
+        assert run.data.tags["dpivon.noise"] == RESEARCH_MODE_WARNING, run.info.run_name
+    for run in [parent, *children]:
+        assert run.data.tags["dpivon.noise"].startswith("secure"), run.info.run_name
     logged = mlflow.pyfunc.load_model(f"runs:/{research_run}/model")
     assert logged.metadata.metadata["dpivon.noise"] == RESEARCH_MODE_WARNING
     with_target, without_target = relative_distances_of_retrains(research_checkpoint)

@@ -40,6 +40,7 @@ SECURE_NOISE_NOTE = (
     "secure: DP noise and Poisson sampling from a ChaCha20 stream keyed with 256 bits from the "
     "OS; the key is in no released artefact"
 )
+NO_NOISE_NOTE = "none: a non-private optimizer"
 NOISE_TAG = "dpivon.noise"  # the run tag and model metadata key that says which noise ran
 # Opacus's secure_mode: 2n Gaussian draws per coordinate with n = 2 (sum halved: same std).
 DEFENCE_DRAWS = 4
@@ -249,6 +250,11 @@ class SeededRandomness:
 def noise_statement(research: bool) -> str:
     """What a run's noise means for its releases: `SECURE_NOISE_NOTE` or the warning."""
     return RESEARCH_MODE_WARNING if research else SECURE_NOISE_NOTE
+
+
+def noise_tags(research: bool, private: bool = True) -> dict[str, str]:
+    """The tag every run (and every logged model's metadata) carries: which noise ran."""
+    return {NOISE_TAG: noise_statement(research) if private else NO_NOISE_NOTE}
 
 
 def mechanism_randomness(seed: int, device: torch.device, *, research: bool) -> Randomness:

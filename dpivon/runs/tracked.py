@@ -11,6 +11,7 @@ from typing import Any
 
 from dpivon.config import TrainConfig
 from dpivon.plots import plot_reliability_diagram
+from dpivon.privacy.noise import noise_tags
 from dpivon.runs.checkpoint import RunCheckpoint
 from dpivon.runs.release import released_metrics
 from dpivon.runs.result import TrainResult
@@ -37,6 +38,7 @@ def tracked_run(
     too, where the checkpoint holds it)."""
     reported_to = resume.mlflow_run_id if resume is not None else ""
     resumed = reported_to if reported_to and tracker.has_run(reported_to) else None
+    tags = {**tags, **noise_tags(config.privacy.research_mode, config.is_private)}
     with tracker.run(name, tags=tags, run_id=resumed) as run_id:
         if resumed is None:
             tracker.log_params(run_id, {**config.flat(), **(params or {})})

@@ -30,9 +30,11 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import ResultsStorage
+from dpivon.privacy.noise import noise_tags
 from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
@@ -69,11 +71,13 @@ class SweepGroup:
         """Its trials' tags: the group's budget and the epsilon each trial spends are two
         fields (they differ under ``total_epsilon``); fronts, hypervolumes, ``pareto`` and
         ``export --epsilon`` go by the budget."""
+        config = parse_config(self.base_config, source="sweep group")
         return {
             GROUP_TAG: self.name,
             OPTIMIZER_TAG: self.optimizer,
             BUDGET_TAG: repr(float(self.epsilon)),
             TRIAL_EPSILON_TAG: repr(float(self.base_config["epsilon"])),
+            **noise_tags(config.privacy.research_mode, config.is_private),
         }
 
 

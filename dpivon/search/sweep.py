@@ -44,6 +44,7 @@ from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import ResultsStorage
+from dpivon.privacy.noise import noise_tags
 from dpivon.privacy.tuning import solve_trial_epsilon_within
 from dpivon.runs import RunCheckpoint, load_data
 from dpivon.search.callbacks import TRACKING_URI_ENV, tracking_wait_s
@@ -404,7 +405,8 @@ def run_sweep(
     slots = 0 if finished else connect(address, pipeline.resources, "trial")
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     concurrency = (pipeline.concurrency or slots) if slots else 0
-    tags = {"dpivon.kind": "sweep", SWEEP_DIR_TAG: storage.uri}
+    tags = {"dpivon.kind": "sweep", SWEEP_DIR_TAG: storage.uri,
+            **noise_tags(pipeline.research_mode)}
     with _StopOnSignals() as stop:
         data = load_data(parse_config(groups[0].base_config))
         resumed = previous.parent_run_id if previous else None

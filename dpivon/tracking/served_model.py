@@ -25,7 +25,7 @@ from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
-from dpivon.privacy.noise import NOISE_TAG, noise_statement
+from dpivon.privacy.noise import noise_tags
 from dpivon.tracking.client import Tracker, fluent_tracking_uri, resolve_tracking_uri
 from dpivon.tracking.model_file import load_model_file, save_model_file
 
@@ -130,12 +130,8 @@ def log_model(
     with the dpivon code it runs and the pinned packages it imports, and its run tag and
     metadata saying whether its noise was secure or reproducible."""
     status = tracker.run_status(run_id)
-    noise = (
-        noise_statement(config.privacy.research_mode)
-        if config.is_private
-        else "none: a non-private optimizer"
-    )
-    tracker.set_tags(run_id, {NOISE_TAG: noise})
+    noise = noise_tags(config.privacy.research_mode, config.is_private)
+    tracker.set_tags(run_id, noise)  # set when the run opened; a run of an older store lacks it
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
         save_model_file(checkpoint, config, model, posterior)
@@ -153,7 +149,7 @@ def log_model(
                     {"bma_samples": min(config.evaluation.bma_samples, 2)},
                 ),
                 pip_requirements=pinned_requirements(),
-                metadata={"input": INPUT_CONTRACT, NOISE_TAG: noise},
+                metadata={"input": INPUT_CONTRACT, **noise},
             )
     # Resuming the run above ended it as FINISHED: put back the status it had.
     tracker.set_run_status(run_id, status)
