@@ -287,8 +287,14 @@ def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_seve
     assert "| beta | 1 | 3 | severity 3 | 35.0 [35.0, 35.0] | 0.330 [0.330, 0.330] | - |" in (
         markdown
     )
+    # paired by seed like the clean metrics: beta's ECE at severity 3 is 0.03 above alpha's
+    # on every seed; equal accuracies are indistinguishable
+    row = "| 1 | ECE at shift severity 3 | alpha | beta | +0.030 | [0.030, 0.030] | 0 | 3 |"
+    assert f"{row} trails the best |" in markdown
+    assert "| 1 | accuracy at shift severity 3 (points) | alpha | beta | +0.0 |" in markdown
     plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])
     add_shift_blocks(plain, hand_records(), ["alpha", "beta"])
+    assert "shift severity 3" not in plain.markdown()  # no scores, no rows
     assert "shift: default" in plain.markdown() and "shift.png" not in plain.figures
 
 
@@ -860,6 +866,37 @@ def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
     markdown = outcome.report.markdown()
     assert "![shift.png](figures/shift.png)" in markdown
     assert "| dp-sgd | 8 | 3 | clean |" in markdown
+
+
+@pytest.mark.slow
+def test_report_only_scores_the_stored_weights_of_runs_finished_before_shift_was_asked(
+    tmp_path, own_cache, fresh_local_ray
+):
+    """A study finished without shift scores gets them from its stored weights when its
+    pipeline asks for them: an evaluation logged on each run, no retraining; the report then
+    has the shift blocks. A run whose weights are gone is named."""
+    methods = [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}]
+    plain = dict(name="later", methods=methods, epsilons=[8])
+    outcome = run_benchmark(load_benchmark(write_benchmark(tmp_path, **plain)))
+    assert not outcome.failed and "shift.png" not in outcome.report.figures
+    client, _, children = runs_of(tmp_path, "dpivon-later")
+    trained = {c.info.run_id: c.data.metrics["test_accuracy"] for c in children}
+    weights = sorted((tmp_path / "runs" / "later" / "weights").iterdir())
+    weights[1].unlink()  # one run's weights lost: that run cannot be scored
+
+    shifted = load_benchmark(write_benchmark(tmp_path, **plain, shift="default"))
+    outcome = run_benchmark(shifted, report_only=True)
+    _, _, children = runs_of(tmp_path, "dpivon-later")
+    scored = [c for c in children if "test_shift_s3_ece" in c.data.metrics]
+    assert len(scored) == 2 and len(children) == 3
+    for child in children:  # the training's own numbers are untouched
+        assert child.data.metrics["test_accuracy"] == trained[child.info.run_id]
+        assert len(client.get_metric_history(child.info.run_id, "test_accuracy")) == 1
+    assert "![shift.png](figures/shift.png)" in outcome.report.markdown()
+    # scored once: a second report finds the scores logged and evaluates nothing
+    before = client.get_metric_history(scored[0].info.run_id, "test_shift_s3_ece")
+    run_benchmark(shifted, report_only=True)
+    assert client.get_metric_history(scored[0].info.run_id, "test_shift_s3_ece") == before
 
 
 def test_a_run_checkpoint_of_layout_1_continues_for_its_own_configuration_only(

@@ -39,6 +39,11 @@ AGGREGATED: dict[str, str] = {
     "temperature": "none",
     "epsilon_spent": "none",
     "wall_time_s": "none",
+    # under shift (a pipeline's ``shift``), at severity 3, as Ovadia et al. compare methods:
+    # NaN for runs scored without it
+    "test_shift_s3_accuracy": "max",
+    "test_shift_s3_ece": "min",
+    "test_shift_s3_aurc_maxprob": "min",
 }
 # Per-epoch keys the collapse diagnostics read (dpivon.optim.ivon.DPIVON documents them).
 DIAGNOSTIC_KEYS = (

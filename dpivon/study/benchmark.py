@@ -44,8 +44,8 @@ from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
-from dpivon.orchestration.storage import ResultsStorage
-from dpivon.privacy.noise import noise_statement
+from dpivon.orchestration.storage import ResultsStorage, local_copy
+from dpivon.privacy.noise import noise_statement, noise_tags
 from dpivon.process import enter_ray_worker
 from dpivon.runs import (
     EpochReport,
@@ -58,7 +58,7 @@ from dpivon.runs import (
 from dpivon.runs.checkpoint import CHECKPOINT_FIELDS, CHECKPOINT_LAYOUT
 from dpivon.runs.tracked import log_training_result
 from dpivon.saved_files import FORMAT_KEY, read_saved
-from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
+from dpivon.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
@@ -74,7 +74,7 @@ from dpivon.study.layout import (
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.client import Tracker
-from dpivon.tracking.model_file import save_model_file
+from dpivon.tracking.model_file import load_model_file, save_model_file
 
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
@@ -269,6 +269,7 @@ def _child_tags(spec: RunSpec) -> dict[str, str]:
         "dpivon.optimizer": spec.config.optimizer.name,
         "dpivon.epsilon": f"{spec.epsilon:g}",
         "dpivon.replicate": str(spec.replicate),
+        **noise_tags(spec.config.privacy.research_mode, spec.config.is_private),
     }
     if spec.tuned_by:
         tags["dpivon.tuned_by"] = spec.tuned_by
@@ -366,7 +367,9 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
             f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the benchmark"
         )
     parent = tracker.start_run(
-        pipeline.name, tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": storage.uri}
+        pipeline.name,
+        tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": storage.uri,
+              **noise_tags(pipeline.research_mode)},
     )
     tracker.log_params(
         parent,
@@ -523,11 +526,55 @@ def execute_runs(
             epochs_done.shutdown()
 
 
+def score_stored_weights_under_shift(
+    pipeline: BenchmarkPipeline, tracker: Tracker, parent: str
+) -> int:
+    """The pipeline's ``shift`` scores of every completed run that lacks them (finished
+    before the pipeline asked for them), from its stored weights: an evaluation, no
+    retraining, logged on its run as training would have. Returns how many were scored; a
+    run without stored weights is named (only a rerun can score it)."""
+    shift_set = SHIFT_SETS.get(pipeline.shift)
+    if shift_set is None:
+        return 0
+    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
+    todo = [
+        (spec, existing[spec.key])
+        for spec in pipeline.runs
+        if spec.key in existing
+        and is_completed(existing[spec.key])
+        and not any(k.startswith("test_shift_") for k in existing[spec.key].data.metrics)
+    ]
+    test_images = load_data(todo[0][0].config).test_images if todo else None
+    for number, (spec, run) in enumerate(todo, 1):
+        name = weights_file(spec.key)
+        if not pipeline.storage.exists(name):
+            console.print(
+                f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its shift "
+                "scores need the run again",
+                highlight=False,
+            )
+            continue
+        with local_copy(pipeline.storage.location(name)) as path:
+            config, model, posterior = load_model_file(path)
+        shifted = evaluate_shift_as_configured(config, model, posterior, test_images, shift_set)
+        scores = {f"test_{k}": v for k, v in shifted.by_severity().items()}
+        tracker.log_metrics(run.info.run_id, scores, step=config.training.epochs)
+        tracker.log_dict(run.info.run_id, shifted.record(), SHIFT_FILE)
+        console.print(
+            f"scored {spec.key} under shift ({number}/{len(todo)}) from {name}: "
+            f"{shifted.seconds.get('predict_cpu_s', float('nan')):.0f} CPU s",
+            highlight=False,
+        )
+    return len(todo)
+
+
 def report_benchmark(
     pipeline: BenchmarkPipeline, tracker: Tracker, parent: str, failed: dict[str, str]
 ) -> tuple[Report, list[Path]]:
     """Build the report from every completed child in MLflow (this invocation's and earlier
-    ones'), write it under ``<directory>/report`` and log it on the parent run."""
+    ones'), write it under ``<directory>/report`` and log it on the parent run; completed
+    runs that lack the pipeline's shift scores get them from their stored weights first."""
+    score_stored_weights_under_shift(pipeline, tracker, parent)
     records = load_records(tracker, parent)
     configs = {}
     for spec in pipeline.runs:

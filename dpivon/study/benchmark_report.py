@@ -366,6 +366,9 @@ _DIFFERENCE_METRICS = (
     ("test_ece", "ECE", 1.0, 3),
     ("test_ts_nll", "NLL (TS)", 1.0, 3),
     ("test_ts_ece", "ECE (TS)", 1.0, 3),
+    ("test_shift_s3_accuracy", "accuracy at shift severity 3 (points)", 100.0, 1),
+    ("test_shift_s3_ece", "ECE at shift severity 3", 1.0, 3),
+    ("test_shift_s3_aurc_maxprob", "AURC (max-prob) at shift severity 3", 1.0, 3),
 )
 
 
