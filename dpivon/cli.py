@@ -17,6 +17,7 @@ from dpivon.commands import (
     check_outputs,
     config_flags,
     console,
+    end_ray,
     progress_bar,
     stops_on_signals,
     user_errors,
@@ -715,7 +716,11 @@ def main() -> None:
     except DpivonError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    app()
+    try:
+        app()
+    finally:
+        if (stopped := end_ray()) is not None:
+            sys.exit(stopped)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import signal
 import sys
 import types
 import typing
@@ -26,7 +28,7 @@ from dpivon.config import (
     parse_assignments,
 )
 from dpivon.errors import DpivonError
-from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
+from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted, signals_interrupt
 from dpivon.paths import check_writable
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 
@@ -126,6 +128,32 @@ def stops_on_signals(command: Callable) -> Callable:
             raise typer.Exit(stop.exit_code) from None
 
     return wrapper
+
+
+def end_ray() -> int | None:
+    """Shut down the Ray a command started or joined now, not in the interpreter's exit
+    handler, where a Ctrl-C prints Ray's 50-line traceback. Meanwhile a first SIGINT or
+    SIGTERM is one line and waits for the shutdown; a second ends the process at once.
+    Returns the exit code a stop asks for (None: none came)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    received: list[int] = []
+
+    def wait_or_end(number: int, frame: Any) -> None:
+        if received:
+            os._exit(128 + number)
+        received.append(number)
+        console.print(f"{signal.Signals(number).name}: waiting for Ray to shut down (again to "
+                      "end at once)", highlight=False)  # fmt: skip
+
+    previous = {number: signal.signal(number, wait_or_end) for number in STOP_SIGNALS}
+    try:
+        ray.shutdown()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return 128 + received[0] if received else None
 
 
 def _flag_type(annotation: Any) -> tuple[type, str]:
