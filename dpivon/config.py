@@ -86,7 +86,7 @@ CIFAR10_TRAIN_IMAGES = 50_000
 NUM_CLASSES = 10
 # Upper bounds of the counts a run's memory or time grows with, each stated with its cost.
 # A synthetic image is held as uint8 (3,072 bytes) and as a float32 tensor (12,288 bytes).
-_IMAGE_BYTES = 3 * 32 * 32 * (1 + 4)
+SYNTHETIC_IMAGE_BYTES = 3 * 32 * 32 * (1 + 4)
 MAX_SYNTHETIC_IMAGES = 1_000_000  # 15 GB: twenty CIFAR-10 training sets
 # A reliability diagram holds about ten float64 arrays of n_bins (counts, sums, means, edges)
 _BIN_BYTES = 80
@@ -114,8 +114,8 @@ class DataConfig(Section):
         Bound(
             ge=NUM_CLASSES,
             le=MAX_SYNTHETIC_IMAGES,
-            cost=lambda n: f"need {size_text(n * _IMAGE_BYTES)} of images in memory",
-            why=size_text(MAX_SYNTHETIC_IMAGES * _IMAGE_BYTES),
+            cost=lambda n: f"need {size_text(n * SYNTHETIC_IMAGE_BYTES)} of images in memory",
+            why=size_text(MAX_SYNTHETIC_IMAGES * SYNTHETIC_IMAGE_BYTES),
         ),
     ] = 2000
     data_seed: Seed | None = None

@@ -18,7 +18,7 @@ from torch import nn
 from dpivon.config import OPTIMIZER_NAMES, TrainConfig
 from dpivon.optim.adambc import DPAdamBC
 from dpivon.optim.build import build_optimizer
-from dpivon.optim.ivon import DPIVON, IVON, gradsq_hessian
+from dpivon.optim.ivon import DPIVON, IVON, gradsq_hessian, mean_update
 
 DTYPE = torch.float64
 N_IN, N_HIDDEN, N_OUT = 4, 6, 3
@@ -559,3 +559,16 @@ def test_an_sgd_option_reaches_torch_from_every_entry_point():
         TrainConfig(optimizer="sgd", nesterov=True, momentum=0.0)
     with pytest.raises(ValueError, match="nesterov does not apply to adam"):
         TrainConfig(optimizer="adam", nesterov=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_clip_radius_beyond_the_dtype_clips_nothing(dtype):
+    # A radius no value of the dtype reaches (3.5e38 in float32 or bfloat16) is no
+    # clipping; torch's clamp refuses it ("cannot be converted ... without overflow"),
+    # found by tests/memory_probe.py with a config's clip_radius beyond float32.
+    mean = torch.tensor([1.0, -2.0], dtype=dtype)
+    momentum = torch.tensor([1e3, -5.0], dtype=dtype)
+    hess = torch.ones(2, dtype=dtype)
+    clipped = mean_update(mean, momentum, hess, 0.1, 0.0, 3.5e38, 1.0)
+    assert torch.equal(clipped, mean_update(mean, momentum, hess, 0.1, 0.0, math.inf, 1.0))
+    assert torch.equal(clipped, mean - 0.1 * momentum)

@@ -12,6 +12,9 @@ from dpivon.errors import DpivonError
 # while the noise keeps the task from being trivially solved by a single pixel.
 _GRID = 4
 _NOISE_STD = 40.0
+# Images made at once: the float64 noise and sum of a chunk are its transient memory
+# (about 50 KB an image), so a large set peaks at its uint8 images plus a chunk's worth.
+_CHUNK_IMAGES = 4096
 
 
 def synthetic_cifar10(
@@ -34,6 +37,9 @@ def synthetic_cifar10(
 
 def _sample(templates: np.ndarray, n: int, rng: np.random.Generator) -> ImageArrays:
     labels = rng.permutation(np.arange(n, dtype=np.int64) % len(templates))
-    noisy = templates[labels] + rng.normal(0.0, _NOISE_STD, size=(n, *IMAGE_SHAPE))
-    images = np.clip(np.rint(noisy), 0, 255).astype(np.uint8)
+    images = np.empty((n, *IMAGE_SHAPE), dtype=np.uint8)
+    for start in range(0, n, _CHUNK_IMAGES):  # the noise stream is the same as in one draw
+        chunk = labels[start : start + _CHUNK_IMAGES]
+        noisy = templates[chunk] + rng.normal(0.0, _NOISE_STD, size=(len(chunk), *IMAGE_SHAPE))
+        images[start : start + len(chunk)] = np.clip(np.rint(noisy), 0, 255)
     return ImageArrays(images, labels, CIFAR10_CLASSES)

@@ -114,6 +114,8 @@ def mean_update(
 ) -> Tensor:
     """m = m - lr * clip((gbar / debias + delta * m) / (h + delta), -r, r)."""
     direction = (momentum / momentum_debias + weight_decay * mean) / (hess + weight_decay)
+    if clip_radius >= torch.finfo(direction.dtype).max:
+        return mean - lr * direction  # no value of this dtype lies beyond it (and clamp refuses it)
     return mean - lr * direction.clamp(min=-clip_radius, max=clip_radius)
 
 

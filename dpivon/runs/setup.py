@@ -11,9 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpivon.config import TrainConfig
+from dpivon.config import SYNTHETIC_IMAGE_BYTES, TrainConfig
 from dpivon.data import DataSplits, load_splits
 from dpivon.errors import DpivonError
+from dpivon.machine import check_memory
 from dpivon.models import build_model
 from dpivon.optim.build import build_optimizer
 from dpivon.optim.ivon import IVON
@@ -63,6 +64,11 @@ def synthetic_sizes(config: TrainConfig) -> tuple[int, int]:
 
 
 def load_data(config: TrainConfig) -> DataSplits:
+    """The run's splits; synthetic images are made only where they fit in memory now."""
+    if config.data.dataset == "synthetic":
+        images = sum(synthetic_sizes(config))
+        check_memory(f"data.synthetic_size={config.data.synthetic_size:,}",
+                     images * SYNTHETIC_IMAGE_BYTES)  # fmt: skip
     return load_splits(
         config.data.dataset,
         data_path=config.data.data_path,
