@@ -6,9 +6,9 @@ clipped gradient sum and the noise of DP validation scores.
   ``cryptography`` package), elsewhere by `dpivon.privacy.chacha`'s torch operations, which
   are bit-identical to it, so every device draws the same stream and no noise crosses from
   host to device. Its words become uniforms and, by Box-Muller, Gaussians on that device in
-  the precision asked for. The key and the position in the stream are the only state: they
-  live in resume checkpoints (as sensitive as the training data) and in nothing that is
-  logged or exported.
+  the precision asked for. The key and the position in the stream are the only state. The key
+  lives only in the process's memory: what is stored (checkpoints, models, MLflow) holds at
+  most the position (`without_key`), and a resumed run continues under a fresh key.
 - `SeededRandomness` (``research_mode: true``): a torch generator seeded from the run's
   seed. Anyone who knows the seed regenerates the noise and the batches, so nothing such a
   run releases has a DP guarantee (`RESEARCH_MODE_WARNING`).
