@@ -44,7 +44,7 @@ from dpivon.runs import (
 )
 from dpivon.saved_files import FORMAT_KEY
 from dpivon.shift import ShiftSet, evaluate_shift_as_configured
-from dpivon.study.aggregate import RunRecord, aggregate, compare, records_frame
+from dpivon.study.aggregate import RunRecord, aggregate, compare, load_records, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,
     CheckpointPlace,
@@ -56,6 +56,7 @@ from dpivon.study.benchmark_report import build_report, verdict_lines, write_rep
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import RunSpec, load_benchmark
+from dpivon.tracking.client import Tracker
 from dpivon.tracking.model_file import load_model_file, save_model_file
 
 runner = CliRunner()
@@ -159,8 +160,9 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     assert "lowest mean test NLL **alpha** (1.680) leads beta (1.780)" in lines[0]
     assert lines[1].startswith("epsilon 1: least curvature collapse") and "**alpha**" in lines[1]
     assert lines[2].startswith("epsilon 8:")
-    assert "**beta** (54.0 points) and alpha (52.0 points) are indistinguishable at 3 seeds" in (
-        lines[2]
+    assert (
+        "**beta** (54.0 points) and alpha (52.0 points) are indistinguishable at 3 seeds"
+        in (lines[2])
     )
     # one seed per method (a benchmark under way): no interval to judge the gap with
     one_seed = records_frame([r for r in hand_records() if r.replicate == 0])
@@ -595,7 +597,9 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     same = fake_sweep(tmp_path, "s2", trials_per_group=2, lr=0.2)
     methods.append({"name": "tuned-same", "optimizer": "dp-sgd", "from_sweep": str(same)})
     assert {r.method for r in load_benchmark(write_benchmark(tmp_path, methods=methods)).runs} == {
-        "tuned", "fixed", "tuned-same"
+        "tuned",
+        "fixed",
+        "tuned-same",
     }
     # an epsilon no run can meet is refused as such before the sweep is read (which has no
     # group there: that error would hide the real one)
@@ -642,6 +646,7 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
     assert len(children) == 12
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
     assert {c.data.tags[KEY_TAG] for c in children} == {r.key for r in pipeline.runs}
+    assert any("temperature" in child.data.metrics for child in children)
     for child in children:
         params, metrics = child.data.params, child.data.metrics
         assert child.info.status == "FINISHED" and child.data.tags[STATUS_TAG] == "completed"
@@ -653,12 +658,14 @@ def test_one_parent_one_child_per_method_epsilon_seed(finished_benchmark):
             "test_nll",
             "test_ece",
             "test_brier",
-            "test_ts_ece",
-            "test_ts_nll",
-            "temperature",
             "wall_time_s",
             "val_accuracy",
         } <= metrics.keys()
+        # temperature scaling where the 30 validation images determine a T (not at chance:
+        # there the NLL falls all the way to T = 100, the uniform predictive)
+        assert (
+            ("temperature" in metrics) == ("test_ts_ece" in metrics) == ("test_ts_nll" in metrics)
+        )
         private = child.data.tags["dpivon.epsilon"] == "8"
         if private:
             assert metrics["epsilon_spent"] == pytest.approx(8.0, abs=0.05)
@@ -764,6 +771,29 @@ def test_report_only_reports_the_completed_runs_of_an_interrupted_benchmark(fini
         runner.invoke(app, ["benchmark", str(pipeline.path), "--report-only"])
 
 
+def test_a_temperature_the_validation_split_did_not_determine_is_not_reported(
+    finished_benchmark,
+):
+    """A run stored with T at a bound of the search (fitted before `fit_temperature` refused
+    such fits: one validation image, all right, gave T = 0.01 and an NLL of 11) has no
+    temperature-scaled metrics in the report; the others keep theirs."""
+    tmp_path, pipeline, outcome = finished_benchmark
+    client, _, children = runs_of(tmp_path, pipeline.experiment)
+    child = next(c for c in children if "temperature" in c.data.metrics)
+    kept = child.data.metrics["temperature"]
+    client.log_metric(child.info.run_id, "temperature", 0.01, step=10_000)
+    try:
+        tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", pipeline.experiment)
+        records = {r.run_id: r for r in load_records(tracker, outcome.parent_run_id)}
+        undetermined = records.pop(child.info.run_id).metrics
+        assert not {"temperature", "test_ts_nll", "test_ts_ece"} & undetermined.keys()
+        assert "test_nll" in undetermined
+        fitted = [c.info.run_id for c in children if "temperature" in c.data.metrics]
+        assert all("test_ts_nll" in records[i].metrics for i in fitted if i != child.info.run_id)
+    finally:
+        client.log_metric(child.info.run_id, "temperature", kept, step=10_001)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -811,9 +841,9 @@ def test_sigterm_stops_cleanly_and_resume_continues_the_run_from_its_last_epoch(
     said = " ".join(stderr.decode().split())
     assert f"{stopped.data.tags[KEY_TAG]} interrupted" in said  # stopped, not failed
     assert f"{stopped.data.tags[KEY_TAG]} failed" not in said and ", 1 failed" not in said
-    checkpoint = CheckpointPlace.of(pipeline.storage, next(
-        r for r in pipeline.runs if r.key == stopped.data.tags[KEY_TAG]
-    ))
+    checkpoint = CheckpointPlace.of(
+        pipeline.storage, next(r for r in pipeline.runs if r.key == stopped.data.tags[KEY_TAG])
+    )
     kept = checkpoint.load().epoch
     assert 1 <= kept < 6
 
@@ -845,7 +875,10 @@ def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
     assert len(children) == 6
     tags = parent.data.tags
     assert (tags["methods"], tags["epsilons"], tags["seeds"], tags["runs"]) == (
-        "dp-sgd,sgd", "8", "0,1,2", "6"
+        "dp-sgd,sgd",
+        "8",
+        "0,1,2",
+        "6",
     )
     logged = client.download_artifacts(parent.info.run_id, "pipeline.yaml", str(tmp_path))
     assert Path(logged).read_text() == Path(path).read_text()

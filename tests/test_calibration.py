@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpivon.calibration import apply_temperature, fit_temperature
+from dpivon.calibration import MIN_FIT_IMAGES, apply_temperature, fit_temperature, is_determined
 from dpivon.metrics import accuracy, expected_calibration_error, negative_log_likelihood
 
 
@@ -60,3 +60,15 @@ def test_under_confident_predictor_and_input_checks():
         fit_temperature(logits, labels)  # logits, not probabilities
     with pytest.raises(ValueError, match="temperature must be > 0"):
         apply_temperature(flat, 0.0)
+
+
+def test_no_temperature_where_the_validation_split_does_not_determine_one():
+    logits, _, labels = calibrated_predictor(n=200, seed=4)
+    sharp = torch.softmax(3.0 * logits, dim=1)
+    assert fit_temperature(sharp[:MIN_FIT_IMAGES], labels[:MIN_FIT_IMAGES]) is not None
+    assert fit_temperature(sharp[: MIN_FIT_IMAGES - 1], labels[: MIN_FIT_IMAGES - 1]) is None
+    # every image classified right: the NLL falls as T -> 0, down to the search's bound (the
+    # one validation image of the Tramer & Boneh reproduction gave T = 0.01 and an NLL of 11)
+    right = sharp.argmax(dim=1)
+    assert fit_temperature(sharp, right) is None
+    assert not is_determined(0.01) and not is_determined(100.0) and is_determined(3.0)

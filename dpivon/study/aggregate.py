@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from dpivon.calibration import is_determined
 from dpivon.metrics import ReliabilityDiagram
 from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
 from dpivon.study.significance import (
@@ -110,6 +111,10 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
         tags, run_id = run.data.tags, run.info.run_id
         epsilon = float(tags["dpivon.epsilon"])
         metrics = dict(run.data.metrics)
+        if "temperature" in metrics and not is_determined(metrics["temperature"]):
+            # fitted before `fit_temperature` refused such fits: no scaling was determined
+            metrics = {k: v for k, v in metrics.items() if k != "temperature"
+                       and not k.startswith("test_ts_")}  # fmt: skip
         if math.isinf(epsilon):
             metrics["epsilon_spent"] = math.inf  # MLflow stores finite values only
         history = {}

@@ -131,15 +131,14 @@ def score_on_test(
         return evaluate_as_configured(config, result.model, split, result.posterior)
 
     val, test = predictive(data.val), predictive(data.test)
+    extra = dict(result.extra)
     temperature = fit_temperature(val.probs, val.labels)
-    tempered = classification_metrics(
-        apply_temperature(test.probs, temperature), test.labels, config.evaluation.ece_bins
-    )
-    extra = {
-        **result.extra,
-        "temperature": temperature,
-        **{f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"},
-    }
+    if temperature is not None:  # else the validation split does not determine one
+        tempered = classification_metrics(
+            apply_temperature(test.probs, temperature), test.labels, config.evaluation.ece_bins
+        )
+        extra["temperature"] = temperature
+        extra.update({f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"})
     diagram = reliability_diagram(test.probs, test.labels, config.evaluation.ece_bins)
     metrics = dict(test.metrics)
     if shift_set is not None:
@@ -301,9 +300,10 @@ def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
         released = released_metrics(result.config, metrics)
         tracker.log_metrics(run_id, released, step=int(metrics["epoch"]))
     log_training_result(tracker, run_id, result)  # with its model: dpivon predict takes it
-    tracker.log_metrics(
-        run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
-    )
+    if "temperature" in result.extra:
+        tracker.log_metrics(
+            run_id, {"temperature": result.extra["temperature"]}, result.config.training.epochs
+        )
     if result.test_reliability is not None:
         tracker.log_dict(run_id, reliability_to_dict(result.test_reliability), RELIABILITY_FILE)
     tracker.set_tags(run_id, {STATUS_TAG: COMPLETED})

@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from dpivon.calibration import MIN_FIT_IMAGES
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.study.aggregate import (
     SUMMARISED,
@@ -68,7 +69,9 @@ TEMPERATURE_NOTE = (
     "one temperature T per run, fitted by NLL on the validation split's predictive and "
     "applied to the test predictive (accuracy is unchanged). It uses the validation records "
     "with exact scores, as the sweep does: they are held out from training, so the training "
-    "epsilon does not cover them; a release would fit T on public data or privately."
+    "epsilon does not cover them; a release would fit T on public data or privately. "
+    "No T where the validation split does not determine one (fewer than "
+    f"{MIN_FIT_IMAGES} images, or its NLL still falling at T = 0.01 or 100)."
 )
 COLUMN_NOTE = (
     "eps spent: the accountant's epsilon of the training (inf: no noise, clipping only); "
