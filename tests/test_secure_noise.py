@@ -171,7 +171,8 @@ def test_secure_noise_and_masks_are_made_on_their_device(monkeypatch):
     assert moves == []
     assert noise.device == mask.device == meta and noise.shape == (count,)
     assert {buffer.device for buffer in randomness._buffers.values()} == {meta}
-    assert len(randomness._buffers) == 5  # words of two sizes, radii, angles, the draws
+    # words of two sizes, radii, angles, the draws, their sums
+    assert len(randomness._buffers) == 6
 
 
 def test_one_secure_training_step_moves_no_noise_from_numpy_or_between_devices(
@@ -194,6 +195,45 @@ def test_the_noise_sums_four_draws_of_the_stream():
     noise = gaussian_noise(SecureRandomness(key), 2.0, 5, CPU, torch.float64)
     draws = SecureRandomness(key).normal(DEFENCE_DRAWS * 5, CPU).view(DEFENCE_DRAWS, 5)
     torch.testing.assert_close(noise, draws.sum(0) * 2.0 / 2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_noise_made_by_chunks_is_the_whole_draw_s_sum_bit_for_bit(monkeypatch, dtype):
+    """On a CPU the defended noise is made a chunk of coordinates at a time, each read at
+    its place in the keystream: bit for bit the sums of the four draws that one message of
+    4 n Gaussians gives (chunks of 48 coordinates here: block-unaligned starts, a tail)."""
+    monkeypatch.setattr(noise_module, "_CPU_CHUNK", 48)
+    key = bytes(range(7, 7 + KEY_BYTES))
+    for count in (1, 5, 48, 49, 1001):
+        chunked = SecureRandomness(key, draws=3).defended_normal(count, 2.0, CPU, dtype)
+        whole = torch.empty(DEFENCE_DRAWS * count, dtype=dtype)
+        SecureRandomness(key, draws=3).fill_normal(whole)
+        assert torch.equal(chunked, whole.view(DEFENCE_DRAWS, count).sum(0)), count
+
+
+def test_a_secure_step_draws_its_noise_into_the_same_buffers_every_time(monkeypatch):
+    """The noise of every step lands in the tensors the first step made (one per size), and
+    the gradients are the clipped sums the noise was added to: no per-step allocation."""
+    randomness = SecureRandomness()
+    first = gaussian_noise(randomness, 1.0, 70_000, CPU, torch.float32).data_ptr()
+    buffers = {name: tensor.data_ptr() for name, tensor in randomness._buffers.items()}
+    second = gaussian_noise(randomness, 1.0, 70_000, CPU, torch.float32).data_ptr()
+    assert first == second
+    assert {n: t.data_ptr() for n, t in randomness._buffers.items()} == buffers
+
+    config = parse_config({**SMALL, "seed": 5})
+    setup = build_training(config, load_data(config), CPU)
+    x, y = next(iter(setup.loader))
+    sums: dict = {}
+    real_add_noise = type(setup.optimizer).add_noise
+
+    def add_noise(self):
+        sums.update({id(p): p.summed_grad.data_ptr() for p in self.params})
+        real_add_noise(self)
+
+    monkeypatch.setattr(type(setup.optimizer), "add_noise", add_noise)
+    train_step(setup, x, y, mc_samples=1)
+    assert sums and all(p.grad.data_ptr() == sums[id(p)] for p in setup.model.parameters())
 
 
 def test_runs_are_independent_and_keys_come_from_the_os(monkeypatch):

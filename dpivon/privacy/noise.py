@@ -55,6 +55,11 @@ _OPENSSL_DEVICES = frozenset({"cpu"})
 # Per float dtype: the integer keystream words of its width and its significand's bits.
 # Gaussians for other parameter dtypes (half precision) are drawn in float32 and cast.
 _WORDS = {torch.float32: (torch.int32, 24), torch.float64: (torch.int64, 53)}
+_BLOCK_WORDS = 16  # 32-bit words in a ChaCha20 block (64 bytes)
+# Coordinates of defended noise made at once on a CPU: the chunk's keystream words, radii
+# and angles (about 1 MB) stay in cache, where the whole draw's (16 bytes a Gaussian, four
+# Gaussians a coordinate: 176 MB for WRN-16-4) would pass through memory several times.
+_CPU_CHUNK = 2**15
 
 
 class Randomness(Protocol):
@@ -133,17 +138,30 @@ class SecureRandomness:
             self._buffers[key] = make(count, dtype=dtype, device=device)
         return self._buffers[key]
 
+    def _next_nonce(self) -> bytes:
+        """The nonce of the next draw's message: the number of draws before it."""
+        nonce = self._draws.to_bytes(NONCE_BYTES, "little")
+        self._draws += 1
+        return nonce
+
+    def _openssl_words(self, nonce: bytes, start: int, out: Tensor) -> Tensor:
+        """32-bit words ``start`` to ``start + len(out)`` of message ``nonce``'s keystream
+        in the int32 CPU tensor ``out``, by OpenSSL from the block that holds word ``start``."""
+        block, skip = divmod(start, _BLOCK_WORDS)
+        iv = block.to_bytes(4, "little") + nonce  # cryptography's: the counter, then RFC's
+        encryptor = Cipher(algorithms.ChaCha20(self._key, iv), mode=None).encryptor()
+        encryptor.update(bytes(4 * skip))
+        zeros = self._buffer("zeros", out.numel(), torch.int32, out.device, zeros=True)
+        encryptor.update_into(zeros.numpy().view(np.uint8), out.numpy().view(np.uint8))
+        return out
+
     def _keystream(self, count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The next message's first ``count`` keystream words of integer ``dtype`` (int32
         or int64, the byte stream's little-endian words) in a working tensor on ``device``."""
         words = self._buffer("words", count * dtype.itemsize // 4, torch.int32, device)
-        nonce = self._draws.to_bytes(NONCE_BYTES, "little")
-        self._draws += 1
+        nonce = self._next_nonce()
         if device.type in _OPENSSL_DEVICES:
-            zeros = self._buffer("zeros", words.numel(), torch.int32, device, zeros=True)
-            iv = bytes(4) + nonce  # cryptography's nonce: the 32-bit counter, then RFC's
-            encryptor = Cipher(algorithms.ChaCha20(self._key, iv), mode=None).encryptor()
-            encryptor.update_into(zeros.numpy().view(np.uint8), words.numpy().view(np.uint8))
+            self._openssl_words(nonce, 0, words)
         else:
             if device not in self._device_keys:
                 self._device_keys[device] = key_words_on(self._key, device)
@@ -189,12 +207,48 @@ class SecureRandomness:
         gradients of that dtype, so float64 draws would be rounded to it anyway, and the
         four-draw sum is what hides a single draw's floating-point support. Each draw's
         radius takes 31 bits (float32; 63 in float64), so its tail is cut at probability
-        2^-31, 6.6 std (a 24-bit float32 uniform would cut it at 2^-24, 5.8 std)."""
+        2^-31, 6.6 std (a 24-bit float32 uniform would cut it at 2^-24, 5.8 std).
+
+        The result is a working tensor, overwritten by the next draw of its size: add it
+        where it goes before drawing again.
+        """
         work = dtype if dtype in _WORDS else torch.float32
-        draws = self._buffer("defence", DEFENCE_DRAWS * count, work, device)
-        self.fill_normal(draws)
-        summed = draws.view(DEFENCE_DRAWS, count).sum(0).mul_(std / 2.0)
-        return summed.to(dtype)
+        noise = self._buffer("noise", count, work, device)
+        if device.type in _OPENSSL_DEVICES:
+            self._defended_by_chunks(noise)
+        else:
+            draws = self._buffer("defence", DEFENCE_DRAWS * count, work, device)
+            self.fill_normal(draws)
+            torch.sum(draws.view(DEFENCE_DRAWS, count), 0, out=noise)
+        return noise.mul_(std / 2.0).to(dtype)
+
+    def _defended_by_chunks(self, noise: Tensor) -> None:
+        """The sums of four draws that `fill_normal` makes from one message of
+        4 x ``len(noise)`` draws (those ``defended_normal`` sums elsewhere), made on the CPU a
+        chunk of coordinates at a time: coordinate j sums draws j, n + j, 2n + j and 3n + j,
+        whose radii come from words j and n + j of the message and angles from words 2n + j
+        and 3n + j (Box-Muller's layout in `fill_normal`), each read at its place in the
+        keystream by OpenSSL (a ChaCha20 block is addressable by its counter)."""
+        count, dtype = noise.numel(), noise.dtype
+        per_word = _WORDS[dtype][0].itemsize // 4  # 32-bit words per keystream word
+        nonce = self._next_nonce()
+        for start in range(0, count, _CPU_CHUNK):
+            n = min(_CPU_CHUNK, count - start)
+            words = self._buffer("chunk words", 4 * n * per_word, torch.int32, noise.device)
+            rows = words.view(4, n * per_word)
+            for row, first in zip(rows, (0, count, 2 * count, 3 * count), strict=True):
+                self._openssl_words(nonce, (first + start) * per_word, row)
+            words = rows.view(_WORDS[dtype][0])  # (4, n): radii 0-1, angles 2-3
+            radius = self._buffer("chunk radius", 2 * n, dtype, noise.device).view(2, n)
+            angle = self._buffer("chunk angle", 2 * n, dtype, noise.device).view(2, n)
+            cosine = self._buffer("chunk cosine", 2 * n, dtype, noise.device).view(2, n)
+            positive_uniforms(words[:2], radius).log_().mul_(-2.0).sqrt_()
+            unit_uniforms(words[2:], angle, 2.0 * math.pi)
+            torch.cos(angle, out=cosine).mul_(radius)
+            sine = angle.sin_().mul_(radius)
+            # the four draws summed in `torch.sum`'s order over them: cos, cos, sin, sin
+            out = noise[start : start + n]
+            torch.add(cosine[0], cosine[1], out=out).add_(sine[0]).add_(sine[1])
 
     def state_dict(self) -> dict[str, Tensor]:
         return {
@@ -298,5 +352,7 @@ class NoiseFromRandomness:
             sums[0].device,
             sums[0].dtype,
         )
+        # in place: the clipped sum is read nowhere after this (Opacus drops it at zero_grad),
+        # so a step allocates no gradient-sized tensor for its noise
         for p, summed, chunk in zip(params, sums, noise.split(sizes), strict=True):
-            p.grad = (summed + chunk.view_as(summed)).view_as(p)
+            p.grad = summed.add_(chunk.view_as(summed)).view_as(p)
