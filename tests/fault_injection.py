@@ -105,3 +105,50 @@ def injected_faults(faults_file: Path, faults: dict[str, int | str]) -> Iterator
         yield
     finally:
         faults_file.unlink(missing_ok=True)
+
+
+# Installed as sitecustomize.py: Python imports it at the start of every process whose path
+# holds it, the driver's and the Ray workers' it starts (they inherit PYTHONPATH), so a
+# driver run as a command draws its trials' noise keys from it too.
+_KNOWN_KEY_SITE = '''
+import importlib.abc, importlib.util, os, sys
+
+KEY = bytes.fromhex({key!r})
+DRAWN = {drawn!r}
+
+
+def os_key():
+    with open(DRAWN, "a") as file:
+        print(os.getpid(), file=file)
+    return KEY
+
+
+class PatchNoiseKeys(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "dpivon.privacy.noise":
+            return None
+        sys.meta_path.remove(self)  # the module once, as found without this finder
+        spec = importlib.util.find_spec(name)
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            module.os_key = os_key
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PatchNoiseKeys())
+'''
+
+
+def known_key_environment(folder: Path, key: bytes) -> dict[str, str]:
+    """The environment of a dpivon command whose noise keys, in it and in every Ray worker
+    it starts, are ``key`` instead of the OS's entropy (each key drawn appends the drawing
+    process's id to ``folder / "keys-drawn"``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    site = _KNOWN_KEY_SITE.format(key=key.hex(), drawn=str(folder / "keys-drawn"))
+    (folder / "sitecustomize.py").write_text(site)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}

@@ -6,15 +6,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import ray
+from fault_injection import known_key_environment
 from ray import tune
 from ray.cluster_utils import Cluster
 from ray.tune.experiment import Trial
@@ -50,12 +54,12 @@ DPIVON = [sys.executable, "-m", "dpivon.cli"]
 DP_SGD = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
 
 
-def _sweep_process(pipeline_path, *flags: str) -> subprocess.Popen:
+def _sweep_process(pipeline_path, *flags: str, env: dict | None = None) -> subprocess.Popen:
     # A new session: SIGKILL then reaches the driver and the local Ray it started, as when
     # the driver's machine dies.
     return subprocess.Popen([*DPIVON, "sweep", str(pipeline_path), *flags], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str,
@@ -263,8 +267,23 @@ def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tm
     assert restored.suggest("t5") == Searcher.FINISHED
 
 
+def _files_holding(key: bytes, *folders: Path) -> list[Path]:
+    """Every file under ``folders`` that holds ``key`` as bytes, hex or a list of ints."""
+    forms = (key, key.hex().encode(), str(list(key)).encode())
+    return [file for folder in folders for file in folder.rglob("*")
+            if file.is_file() and not file.is_symlink()
+            and any(form in file.read_bytes() for form in forms)]
+
+
 @pytest.mark.slow
 def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path):
+    """A secure trial stopped mid-way by Ctrl-C, then by SIGTERM, then resumed to its end:
+    each stop leaves the runs KILLED and a resumable sweep, and no file under the sweep's
+    folder, its MLflow store or Ray's temporary folder holds the trial's noise key (its
+    source patched to a known key, in the driver and in Ray's workers)."""
+    key = os.urandom(32)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # Ray's socket paths are short
+    env = {**known_key_environment(tmp_path / "site", key), "RAY_TMPDIR": str(ray_tmp)}
     path = write_pipeline(tmp_path, name="stopped", trials=1, epochs=5, optimizers=[DP_SGD],
                           scheduler={"type": "none"})
     pipeline = load_pipeline(path)
@@ -281,7 +300,7 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
     # one still importing.
     for number, flags in ((signal.SIGINT, ()), (signal.SIGTERM, ("--resume",))):
         epochs = epochs_logged() + 1
-        driver = _sweep_process(path, *flags)
+        driver = _sweep_process(path, *flags, env=env)
         _wait_until(driver, lambda e=epochs: epochs_logged() >= e, f"epoch {epochs}")
         if number == signal.SIGINT:
             os.killpg(driver.pid, number)
@@ -293,8 +312,9 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
         assert parent.info.status == "KILLED"
         assert [c.info.status for c in children] == ["KILLED"]  # none left RUNNING
         assert "--resume" in stderr.decode()
+        assert _files_holding(key, tmp_path / "runs", tmp_path / "mlflow.db", ray_tmp) == []
 
-    resumed = _sweep_process(path, "--resume")
+    resumed = _sweep_process(path, "--resume", env=env)
     _, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stderr.decode()[-3000:]
     client, (parent,), (child,) = runs_of(tmp_path, pipeline.experiment)
@@ -302,6 +322,11 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
     # Each resume went on from the trial's last epoch checkpoint: every epoch ran once.
     history = client.get_metric_history(child.info.run_id, "val_accuracy")
     assert [m.step for m in history] == [1, 2, 3, 4, 5]
+    # the trial's attempts (3) drew their keys from the patched source, and none was stored
+    drawn = (tmp_path / "site" / "keys-drawn").read_text().split()
+    assert len(set(drawn)) >= 3, drawn
+    assert _files_holding(key, tmp_path / "runs", tmp_path / "mlflow.db", ray_tmp) == []
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
