@@ -815,6 +815,38 @@ def test_shipped_benchmark_pipelines_load(path):
     assert load_benchmark(path).name
 
 
+# A tuning sweep's GPU version and the CPU sweeps it holds (one per epsilon there).
+TUNING_GPU_TWINS = {
+    "compare-tuning-gpu.yaml": ("compare-eps3-tan-tuning.yaml", "compare-eps1-tan-tuning.yaml"),
+    "compare-tuning-gpu-mitigated.yaml": (
+        "compare-eps3-tan-tuning-mitigated.yaml",
+        "compare-eps1-tan-tuning-mitigated.yaml",
+    ),
+}
+
+
+@pytest.mark.parametrize("gpu_file", sorted(TUNING_GPU_TWINS))
+def test_a_tuning_sweeps_gpu_version_runs_the_trials_of_its_cpu_sweeps(gpu_file):
+    """Every group of the CPU sweeps is in the GPU one, with the same space, trial count and
+    trial configs (noise-faithful plan included), tuned by the same sampler and objectives:
+    only where the trials run, how many at once and where they are stored may differ."""
+    gpu = load_pipeline(ROOT / "pipelines" / gpu_file)
+    assert gpu.resources.gpu > 0
+    for cpu_file in TUNING_GPU_TWINS[gpu_file]:
+        cpu = load_pipeline(ROOT / "pipelines" / cpu_file)
+        assert gpu.name != cpu.name and gpu.data == cpu.data
+        same = ("epochs", "delta", "accountant", "trials", "trial_count", "scheduler",
+                "objectives", "sampler", "seed", "noise_faithful", "validation_noise",
+                "release", "research_mode")  # fmt: skip
+        assert {k: getattr(gpu, k) for k in same} == {k: getattr(cpu, k) for k in same}
+        assert set(cpu.groups) <= set(gpu.groups)
+        for optimizer, epsilon in cpu.groups:
+            assert gpu.spaces[optimizer].path == cpu.spaces[optimizer].path
+            assert gpu.base_train_config(optimizer, epsilon) == cpu.base_train_config(
+                optimizer, epsilon
+            )
+
+
 # A study's GPU version (pipelines/ keeps one per study for a cluster) and the study itself.
 GPU_TWINS = {"compare-eps3-gpu.yaml": "compare-eps3.yaml"}
 
