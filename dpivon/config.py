@@ -39,10 +39,11 @@ from dpivon.constraints import (
     Bound,
     Count,
     Epsilon,
-    FinitePositiveFloat,
     Float,
     Int,
+    NoiseMultiplier,
     NonNegativeFloat,
+    PositiveScale,
     Probability,
     Seed,
     size_text,
@@ -206,7 +207,7 @@ class PrivacyConfig(Section):
 
     epsilon: Epsilon = 8.0  # inf: no noise
     delta: Probability = 1e-5
-    max_grad_norm: FinitePositiveFloat = 1.0  # the per-example clip norm C
+    max_grad_norm: PositiveScale = 1.0  # the per-example clip norm C
     accountant: AccountantName = "rdp"
     # auto = bk (book-keeping) where it is exact for the model and one MC sample, else hooks
     engine: EngineName = "auto"
@@ -216,7 +217,7 @@ class PrivacyConfig(Section):
     research_mode: Bool = False
     # A fixed sigma_p instead of the one calibrated to `epsilon` (a published run's noise);
     # `epsilon` stays the budget: a run whose fixed noise would spend more is refused.
-    fixed_noise_multiplier: FinitePositiveFloat | None = None
+    fixed_noise_multiplier: NoiseMultiplier | None = None
     tuning: TuningCost | None = None  # set by `dpivon export`: the cost of the selection
 
     @model_validator(mode="before")

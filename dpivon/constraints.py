@@ -68,8 +68,9 @@ class _Interval:
     def check(self, name: str | None, value: Any) -> None:
         if value is None or self.holds(value):
             return
-        why = f" ({self.why})" if self.why else ""
         high = self.lt if self.lt is not None else self.le
+        above = high is not None and not value <= high  # NaN too: no side holds it
+        why = f" ({self.why})" if self.why and above else ""  # what the upper bound protects
         if self.cost is not None and high is not None and self._within(high) and value > high:
             raise DpivonError(f"{name}={value:,} would {self.cost(value)}; at most {high:,}{why}")
         rule = self.text()
@@ -117,6 +118,18 @@ PositiveFloat = Annotated[StrictFloat, Bound(gt=0)]
 # A clip norm or a learning rate: inf would mean no clipping (unbounded sensitivity) or a
 # step that diverges at once, so neither can train a private model.
 FinitePositiveFloat = Annotated[StrictFloat, Bound(gt=0, lt=math.inf, shown="finite and > 0")]
+# A scale an optimizer multiplies or adds to tensors (a step size, a weight decay, a Hessian
+# init or floor, a clip norm): near float32's 3.4e38 its arithmetic overflows (Adam's first
+# step is lr / (1 - beta1): an lr of 3.4e37 did), and none is useful above 10^6.
+_SCALE_BOUND = {"le": 1e6, "why": "larger values overflow float32 arithmetic"}
+PositiveScale = Annotated[StrictFloat, Bound(gt=0, **_SCALE_BOUND)]
+NonNegativeScale = Annotated[StrictFloat, Bound(ge=0, **_SCALE_BOUND)]
+# A fixed noise multiplier: outside [10^-3, 10^6] the accountant's arithmetic fails (1 /
+# sigma^2 and sigma^2 in the RDP of the subsampled Gaussian), and no budget up to 1000 is
+# spent below 10^-3 nor above 0 at 10^6.
+NoiseMultiplier = Annotated[
+    StrictFloat, Bound(ge=1e-3, le=1e6, why="beyond it the accountant's arithmetic fails")
+]
 NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]

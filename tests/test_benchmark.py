@@ -478,7 +478,7 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "train": {"lr": -1}}]},
-            "lr must be finite and > 0",
+            "lr must be in (0, 1e+06]",
         ),
         (
             {"methods": [{"name": "x", "optimizer": "dp-sgd", "from_sweep": "nowhere"}]},

@@ -354,7 +354,7 @@ def test_config_fills_and_checks_the_estimator_options():
         ({"optimizer": "dp-ivon", "curvature_pool": "channel"}, "does not apply to dp-ivon"),
         ({"curvature_estimator": "median"}, "curvature_estimator"),
         ({"curvature_ema": 1.0}, r"curvature_ema must be in \[0, 1\)"),
-        ({"hess_floor": -1.0}, "hess_floor must be >= 0"),
+        ({"hess_floor": -1.0}, "hess_floor must be in \\[0, 1e\\+06\\]"),
     ):
         with pytest.raises(DpivonError, match=match):
             parse_config(bad)

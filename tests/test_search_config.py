@@ -424,7 +424,7 @@ BAD_SPACES = {
     ),
     "low-invalid-for-trainconfig": (
         "params: {lr: {type: float, low: 0, high: 1}}",
-        "params.lr = 0.0 is not a valid dp-sgd setting: lr must be finite and > 0",
+        "params.lr = 0.0 is not a valid dp-sgd setting: lr must be in (0, 1e+06]",
     ),
     "fixed-wrong-type": ("params: {batch_size: lots}", "params.batch_size = 'lots'"),
     # a categorical's every choice meets the other parameters' bounds: neither all-low

@@ -24,11 +24,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 from dpivon.constraints import (
     Bool,
     Bound,
-    FinitePositiveFloat,
     Float,
     Int,
-    NonNegativeFloat,
+    NonNegativeScale,
     PositiveFloat,
+    PositiveScale,
     Rate,
 )
 
@@ -65,8 +65,8 @@ class OptimizerOptions(BaseModel):
     takes_grad_noise_std: ClassVar[bool] = False
 
     name: str
-    lr: FinitePositiveFloat
-    weight_decay: NonNegativeFloat
+    lr: PositiveScale
+    weight_decay: NonNegativeScale
 
     @property
     def samples_per_step(self) -> int:
@@ -111,14 +111,14 @@ class AdamBCOptions(AdamOptions):
     takes_grad_noise_std = True
 
     # gamma' in max(v_hat - s^2, gamma'): keeps 1 / sqrt(v_corr) finite
-    second_moment_floor: PositiveFloat
+    second_moment_floor: PositiveScale
 
 
 class IVONOptions(OptimizerOptions):
     beta1: Rate = 0.9
     beta2: Rate
     hess_approx: HessianEstimator
-    hess_init: PositiveFloat
+    hess_init: PositiveScale
     ess: PositiveFloat | None = None  # None: the training-set size
     mc_samples: Annotated[
         Int,
@@ -134,7 +134,7 @@ class IVONOptions(OptimizerOptions):
     )
     rescale_lr: Bool = True
     debias: Bool = True
-    hess_floor: NonNegativeFloat  # keeps h >= hess_floor (0: no floor)
+    hess_floor: NonNegativeScale  # keeps h >= hess_floor (0: no floor)
 
     @property
     def samples_per_step(self) -> int:
