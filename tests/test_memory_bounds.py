@@ -12,6 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from memory_probe import BASE, TIME_ONLY, numeric_fields
+
+from dpivon.config import parse_config
+from dpivon.errors import DpivonError
+from dpivon.runs import load_data, train
 
 PYTHON = sys.executable
 DPIVON = str(Path(PYTHON).parent / "dpivon")
@@ -67,3 +72,24 @@ def test_every_numeric_field_is_refused_or_trains_within_a_memory_limit():
     assert len(lines) >= 250, lines  # one per example (Hypothesis may stop a few short)
     assert any(": refused: " in line for line in lines)
     assert any("trained within the limit" in line for line in lines)
+
+
+# float32's edges and beyond, where a hyper-parameter that reaches a tensor op overflows
+FLOAT_EDGES = (3.4e38, 3.5e38, 1e300, 1e-45, 5e-324)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", sorted(numeric_fields()))
+def test_every_float_field_at_float32_s_edges_is_refused_or_trains(optimizer, one_thread):
+    """Each numeric field of each optimizer at each edge value: refused in one line, or a
+    run that trains (this found lr, weight_decay, hess_init, hess_floor, second_moment_floor,
+    max_grad_norm and the fixed noise multiplier crashing with raw errors)."""
+    for field in numeric_fields()[optimizer]:
+        if field in TIME_ONLY:
+            continue
+        for value in FLOAT_EDGES:
+            try:
+                config = parse_config({**BASE, "optimizer": optimizer, field: value})
+                train(config, data=load_data(config))
+            except DpivonError as err:
+                assert "\n" not in str(err).strip(), (field, value, str(err))
