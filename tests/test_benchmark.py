@@ -952,3 +952,19 @@ def test_a_run_checkpoint_of_layout_1_continues_for_its_own_configuration_only(
     place.folder.write_bytes(place.name, torch_bytes(old))
     with pytest.raises(DpivonError, match="another run configuration"):
         replace(place, config_hash="0" * 16).load()
+
+
+def test_a_conclusion_now_undefined_is_recorded_as_such_not_left_at_its_old_value(tmp_path):
+    """A rebuilt report whose temperature-scaled ECE is no longer defined (NaN) records NaN
+    over the value an earlier report logged; an unchanged or still undefined one adds no
+    history, and one never recorded is not logged as NaN."""
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "report")
+    run_id = tracker.client.create_run(tracker.experiment_id).info.run_id
+    tracker.log_changed_metrics(run_id, {"test_ts_ece.eps3.a": 0.4, "test_ece.eps3.a": 0.2})
+    for _ in range(2):
+        tracker.log_changed_metrics(
+            run_id, {"test_ts_ece.eps3.a": math.nan, "test_ece.eps3.a": 0.2, "new": math.nan}
+        )
+    metrics = tracker.client.get_run(run_id).data.metrics
+    assert math.isnan(metrics["test_ts_ece.eps3.a"]) and "new" not in metrics
+    assert [len(tracker.metric_history(run_id, k)) for k in sorted(metrics)] == [1, 2]

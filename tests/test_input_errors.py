@@ -217,10 +217,10 @@ REFUSALS = {
                                   "max_grad_norm must be in (0, 1e+06]"),
     "train fixed_noise_multiplier 1e154": ([*SYNTHETIC_TRAIN, "--set",
                                             "fixed_noise_multiplier=1.0e154"],
-                                           "fixed_noise_multiplier must be in [0.001, 1e+06]"),
+                                           "fixed_noise_multiplier must be in (0, 1e+06]"),
     "train fixed_noise_multiplier 5e-324": ([*SYNTHETIC_TRAIN, "--set",
                                              "fixed_noise_multiplier=5.0e-324"],
-                                            "fixed_noise_multiplier must be in [0.001, 1e+06]"),
+                                            "spends epsilon inf (rdp, delta 1e-05)"),
     # a float that is not finite, unless the field says what .inf means (epsilon: no noise)
     "train weight_decay .inf": ([*SYNTHETIC_TRAIN, "--set", "weight_decay=.inf"],
                                 "weight_decay must be a finite number in [0, 1e+06]"),

@@ -318,3 +318,15 @@ def test_noised_validation_scores_are_the_exact_scores_plus_calibrated_noise():
     expected_std = 1.0 * VALIDATION_SCORE_SENSITIVITY * math.sqrt(1 + 0.5**2) / 10_000
     assert np.std(accuracies) == pytest.approx(expected_std, rel=0.1)
     assert np.mean(accuracies) == pytest.approx(0.5, abs=4 * expected_std / math.sqrt(2000))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(("accountant", "sigma"), [("prv", 0.01), ("gdp", 0.01), ("gdp", 1e6)])
+def test_an_accountant_that_cannot_evaluate_extreme_noise_says_so_in_one_line(accountant, sigma):
+    # Opacus's PRV asks for a 1.2 TiB grid at sigma 0.01; its GDP root finding finds no sign
+    # change at either end: each is refused, naming the accountant and the noise
+    with pytest.raises(DpivonError) as info:
+        epsilon_spent(sigma, 0.02, 1320, 1e-5, accountant)
+    message = str(info.value)
+    assert "\n" not in message and f"the {accountant} accountant cannot evaluate" in message
+    assert epsilon_spent(5e-324, 0.02, 1320, 1e-5, "rdp") == math.inf  # its variance underflows

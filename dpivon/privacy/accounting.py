@@ -144,8 +144,10 @@ def check_fixed_noise_fits(
 def epsilon_spent(
     noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp"
 ) -> float:
-    """Epsilon of ``steps`` steps of the subsampled Gaussian mechanism."""
-    if noise_multiplier == 0.0:
+    """Epsilon of ``steps`` steps of the subsampled Gaussian mechanism; one line where the
+    accountant cannot evaluate it (PRV's discretisation and GDP's root finding fail at
+    extreme noise: 0.01 or 10^6)."""
+    if noise_multiplier**2 == 0.0:  # none, or so little that its variance underflows
         return math.inf
     if steps == 0:
         return 0.0
@@ -153,9 +155,17 @@ def epsilon_spent(
     acc.history = [(noise_multiplier, sample_rate, steps)]
     # Opacus warns when the best RDP order is at the edge of its list: very little or very
     # much noise, where the epsilon is still a valid (if loose) bound
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Optimal order is the", UserWarning)
-        return float(acc.get_epsilon(delta=delta))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Optimal order is the", UserWarning)
+            return float(acc.get_epsilon(delta=delta))
+    except (ValueError, MemoryError, OverflowError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DpivonError(
+            f"the {accountant} accountant cannot evaluate noise multiplier "
+            f"{noise_multiplier:g} at sample rate {sample_rate:.4g} over {steps} steps "
+            f"({reason}); use accountant rdp, or noise nearer 1"
+        ) from err
 
 
 # The RDP orders of Opacus 0.13, which published runs of 2020-2021 (Tramer & Boneh) used.

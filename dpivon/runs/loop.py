@@ -71,7 +71,7 @@ def _diverged(config: TrainConfig, setup: TrainingSetup, epoch: int) -> Training
     plan = setup.private.plan if setup.private is not None else None
     return TrainingDiverged(
         f"training diverged at epoch {epoch}: the parameters are no longer "
-        f"finite; lower the learning rate (lr={config.optimizer.lr})",
+        f"finite; lower the learning rate (lr={config.optimizer.lr:g})",
         privacy={
             "noise_multiplier": plan.noise_multiplier,
             "sample_rate": plan.sample_rate,

@@ -9,6 +9,7 @@ tracking URI: each Tracker talks to its own store. The default store is MLflow's
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -196,9 +197,21 @@ class Tracker:
 
     def log_changed_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
         """Only the metrics whose latest value on the run differs, or that it lacks: logging
-        the same conclusions again (a resumed finished sweep) adds nothing to their history."""
+        the same conclusions again (a resumed finished sweep) adds nothing to their history.
+        One the run holds that is now undefined (NaN) is logged as NaN: no stale value stands
+        for it."""
         recorded = self.client.get_run(run_id).data.metrics
-        self.log_metrics(run_id, {k: v for k, v in metrics.items() if recorded.get(k) != v}, step)
+
+        def same(old: float | None, new: float) -> bool:
+            return old == new or (old is not None and math.isnan(old) and math.isnan(new))
+
+        changed = {k: v for k, v in metrics.items() if not same(recorded.get(k), v)}
+        self.log_metrics(run_id, changed, step)
+        undefined = [k for k, v in changed.items() if math.isnan(v) and k in recorded]
+        if undefined:
+            now = int(time.time() * 1000)
+            nans = [Metric(k, math.nan, now, step) for k in undefined]
+            self.client.log_batch(run_id, metrics=nans)
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
