@@ -6,10 +6,13 @@ the training device in the parameters' dtype (OpenSSL's keystream on a CPU, the 
 ChaCha20 of `dpivon.privacy.chacha` elsewhere); research mode draws one Gaussian per
 coordinate from a seeded torch generator on the device (`dpivon.privacy.noise`). For each
 case (model, batch size) both configurations of an optimizer are built by
-`build_training` and timed round-robin in one process, one step of each per round
-(`step_time.timed_step`: the batch is drawn before the clock starts, so the step time holds
-the noise but not the mask), ms/step the median after warm-up. The noise and the mask are
-also timed alone, the noise in ns per coordinate of the model.
+`build_training` and timed round-robin in one process, one step of each per round in a
+shuffled order (`step_time.timed_step`: the batch is drawn before the clock starts, so the
+step time holds the noise but not the mask), ms/step the median after warm-up. The ratio is
+paired by round (the two modes' steps of one round saw the same load): the median of the
+per-round ratios with a 95 % bootstrap interval (scipy.stats.bootstrap), so a difference
+within the machine's jitter reads as one. The noise and the mask are also timed alone, the
+noise in ns per coordinate of the model.
 
     python benchmarks/secure_noise.py            # tanh-cnn b256 and WRN-16-4 b64, CPU: minutes
     python benchmarks/secure_noise.py --cases tanh-cnn:1024 --steps 20 --device cuda
@@ -24,12 +27,14 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from scipy.stats import bootstrap
 from step_time import (
     build_run,
-    round_robin_medians,
+    round_robin_times,
     synchronize,
     synthetic_data,
 )
@@ -54,6 +59,18 @@ def draw_ms(draw, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_ratio(secure_ms: list[float], research_ms: list[float]) -> dict:
+    """Median of the per-round secure / research ratios, with its 95 % percentile-bootstrap
+    interval (the median's sampling distribution is not normal at tens of rounds)."""
+    ratios = np.asarray(secure_ms) / np.asarray(research_ms)
+    interval = bootstrap(
+        (ratios,), np.median, confidence_level=0.95, method="percentile",
+        random_state=np.random.default_rng(0),
+    ).confidence_interval  # fmt: skip
+    return {"ratio": float(np.median(ratios)), "ratio_low": float(interval.low),
+            "ratio_high": float(interval.high)}  # fmt: skip
+
+
 def measure_case(
     args: argparse.Namespace, model: str, batch_size: int, device: torch.device
 ) -> dict:
@@ -66,7 +83,8 @@ def measure_case(
         for optimizer in args.optimizers
         for mode, research in MODES.items()
     }
-    ms = round_robin_medians(runs, args.warmup, args.steps)
+    times = round_robin_times(runs, args.warmup, args.steps)
+    ms = {key: statistics.median(t) for key, t in times.items()}
     coordinates = sum(p.numel() for p in next(iter(runs.values())).setup.model.parameters())
     examples = len(data.train)
     sources = {"research": SeededRandomness(0, device), "secure": SecureRandomness()}
@@ -84,7 +102,7 @@ def measure_case(
     steps = [
         {"optimizer": optimizer, "research_ms": ms[(optimizer, "research")],
          "secure_ms": ms[(optimizer, "secure")],
-         "ratio": ms[(optimizer, "secure")] / ms[(optimizer, "research")]}
+         **paired_ratio(times[(optimizer, "secure")], times[(optimizer, "research")])}
         for optimizer in args.optimizers
     ]  # fmt: skip
     return {"model": model, "batch_size": batch_size, "coordinates": coordinates,
@@ -102,7 +120,7 @@ def main() -> None:
     )
     parser.add_argument("--optimizers", nargs="+", default=["dp-ivon-gradsq", "dp-sgd"])
     parser.add_argument("--engine", default="bk")
-    parser.add_argument("--steps", type=int, default=10, help="timed rounds")
+    parser.add_argument("--steps", type=int, default=30, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -123,7 +141,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads"
     )
     columns = ("model", "batch", "optimizer", "research ms/step", "secure ms/step",
-               "secure x research")  # fmt: skip
+               "secure x research", "95 % interval")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for case in cases:
@@ -131,6 +149,7 @@ def main() -> None:
             table.add_row(
                 case["model"], str(case["batch_size"]), row["optimizer"],
                 f"{row['research_ms']:.1f}", f"{row['secure_ms']:.1f}", f"{row['ratio']:.3f}",
+                f"[{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]",
             )  # fmt: skip
     console.print(table)
     for case in cases:

@@ -31,6 +31,7 @@ import argparse
 import functools
 import itertools
 import json
+import random
 import statistics
 import time
 from collections.abc import Iterator
@@ -126,16 +127,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def round_robin_medians(runs: dict[Any, Run], warmup: int, steps: int) -> dict[Any, float]:
-    """Median ms per step of each run, the runs stepped in turn so that a change of the
-    machine's load reaches all of them alike."""
+def round_robin_times(runs: dict[Any, Run], warmup: int, steps: int) -> dict[Any, list[float]]:
+    """Milliseconds of each timed step of each run, the runs stepped in turn so that a change
+    of the machine's load reaches all of them alike; each round in a fresh order (a seeded
+    shuffle) so that no run always follows the same one and inherits its cache state."""
     for run in runs.values():
         for _ in range(warmup):
             timed_step(run)
+    order = random.Random(0)
+    keys = list(runs)
     times: dict[Any, list[float]] = {key: [] for key in runs}
     for _ in range(steps):
-        for key, run in runs.items():
-            times[key].append(timed_step(run))
+        order.shuffle(keys)
+        for key in keys:
+            times[key].append(timed_step(runs[key]))
+    return times
+
+
+def round_robin_medians(runs: dict[Any, Run], warmup: int, steps: int) -> dict[Any, float]:
+    """Median ms per step of each run, timed by `round_robin_times`."""
+    times = round_robin_times(runs, warmup, steps)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
