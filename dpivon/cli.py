@@ -469,15 +469,16 @@ def audit(
 
     Unless given: synthetic data (500 images), small-cnn, 5 epochs, batch 50, epsilon 2."""
     from dpivon.audit import audit_config, check_audit, run_audit
-    from dpivon.runs import check_plan_reachable, resolve_device
+    from dpivon.runs import check_fits, check_plan_reachable, load_data
     from dpivon.runs.tracked import tracked_run
     from dpivon.tracking.client import Tracker
 
     cfg = audit_config(**config_values)
     check_audit(cfg, canaries, confidence)
     check_plan_reachable(cfg)
-    resolve_device(cfg.runtime.device)
     check_outputs(json_path, experiment, tracking_uri)
+    data = load_data(cfg)  # a missing path, a batch above N, the device: before any run
+    check_fits(cfg, data)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     name = f"audit-{cfg.optimizer.name}-eps{cfg.privacy.epsilon:g}"
@@ -485,7 +486,8 @@ def audit(
     tags = {"dpivon.kind": "audit"}
     with tracked_run(tracker, cfg, name, tags=tags, params=audit_params) as run_id:
         with progress_bar(sys.stderr.isatty()) as on_step:
-            result = run_audit(cfg, canaries, confidence=confidence, on_step=on_step)
+            result = run_audit(cfg, canaries, confidence=confidence, data=data,
+                               on_step=on_step)
         summary = {**result.summary(), "mlflow_run_id": run_id}
         tracker.log_metrics(
             run_id, {k: v for k, v in summary.items() if isinstance(v, int | float)}

@@ -399,8 +399,9 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
             value = yaml.load(text, Loader=_YamlLoader)
         except ValueError as err:
             raise DpivonError(f"--set {assignment}: {err}") from None
-        except yaml.YAMLError:
-            raise DpivonError(f"--set {assignment}: {text!r} is not a YAML value") from None
+        except (yaml.YAMLError, RecursionError):  # a value nested deeper than Python recurses
+            shown = text if len(text) <= 40 else f"{text[:40]}..."
+            raise DpivonError(f"--set {key.strip()}: {shown!r} is not a YAML value") from None
         if value is None and not _takes_null(flat):
             raise DpivonError(
                 f"--set {assignment}: {field_info(flat)[0]} has no null value; give a value, "

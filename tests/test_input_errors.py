@@ -201,6 +201,26 @@ REFUSALS = {
                                          "is a directory, not a regular file"),
     "sweep trial_epochs 10^9": (["sweep", "sweep:noise_faithful={{batch_divisor: 2, "
                                  "trial_epochs: 1000000000}}"], "trial_epochs must be in [1, 1"),
+    # each was checked only once Ray or the MLflow run had started
+    "sweep a missing data path": (["sweep", "sweep:data={{dataset: cifar10, data_path: "
+                                   "/nonexistent/cifar10.tar.gz}}"],
+                                  "data path /nonexistent/cifar10.tar.gz does not exist"),
+    "benchmark a missing data path": (["benchmark", "bench:data={{dataset: cifar10, data_path: "
+                                       "/nonexistent/cifar10.tar.gz}}"],
+                                      "data path /nonexistent/cifar10.tar.gz does not exist"),
+    "audit a missing data path": (["audit", "--optimizer=dp-sgd", "--dataset=cifar10",
+                                   "--data-path=/nonexistent/cifar10.tar.gz"],
+                                  "data path /nonexistent/cifar10.tar.gz does not exist"),
+    "audit a batch above N": (["audit", "--optimizer=dp-sgd", "--batch-size=5000"],
+                              "batch size 5000 is larger than the training set"),
+    "audit engine ghost": (["audit", "--optimizer=dp-sgd", "--set", "privacy.engine=ghost"],
+                           "the audit cannot put canaries into engine ghost's clipping"),
+    "train --tracking-uri not a URI": ([*SYNTHETIC_TRAIN, "--tracking-uri=https://[::1"],
+                                       "--tracking-uri (or a run file's tracking_uri:) "
+                                       "'https://[::1' is not a valid URI: Invalid IPv6 URL"),
+    "train --set nested deeper than Python recurses": (
+        [*SYNTHETIC_TRAIN, "--set", "lr=" + "[" * 5000 + "]" * 5000],
+        "--set lr: '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[...' is not a YAML value"),
     # found by tests/memory_probe.py: each overflowed float32 or the accountant's arithmetic
     "train lr 3.4e37": (["train", "--dataset=synthetic", "--optimizer=adam", "--lr=3.4e37"],
                         "lr must be in (0, 1e+06] (larger values overflow float32"),
@@ -481,3 +501,42 @@ def test_a_config_on_standard_input_is_read_through_a_pipe(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "stdin", _Terminal())
     with pytest.raises(DpivonError, match="standard input, which is a terminal"):
         read_input_text(Path("-"), "config")
+
+
+# -- files whose unpickling would run code: every reader loads weights only ---------------
+
+
+class _CreatesAFile:
+    """Unpickled, this opens (creates) ``path``: a payload as harmless as it is visible."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+PICKLED_FILE_READERS = {
+    "train --checkpoint": [*SYNTHETIC_TRAIN, "--checkpoint={pt}"],
+    "evaluate a model file": ["evaluate", "{pt}"],
+    "predict with a model file": ["predict", "{pt}", "{batch}"],
+}
+
+
+@pytest.mark.parametrize("command", PICKLED_FILE_READERS)
+def test_a_file_whose_unpickling_runs_code_is_refused_and_runs_nothing(tmp_path, command):
+    import numpy as np
+    import torch
+
+    marker = tmp_path / "created-by-the-payload"
+    pt = tmp_path / "model.pt"
+    torch.save({"config": _CreatesAFile(str(marker)), "model_state": {}, "posterior": None,
+                "mlflow_run_id": "x"}, pt)  # fmt: skip
+    batch = tmp_path / "images.npy"
+    np.save(batch, np.zeros((2, 32, 32, 3), dtype=np.uint8))
+    args = [a.format(pt=pt, batch=batch) for a in PICKLED_FILE_READERS[command]]
+    result = invoke(args, tmp_path, tmp_path / "store.db")
+    line = one_line(result)
+    assert result.exit_code == 2 and str(pt) in line, line
+    assert not marker.exists()  # the payload never ran
+    assert not (tmp_path / "store.db").exists()

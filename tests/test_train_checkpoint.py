@@ -77,30 +77,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_
     assert other.stderr.strip().splitlines()[-1].startswith("error: checkpoint state.pt is of")
 
 
-class _CreatesAFile:
-    """What a hostile checkpoint holds: unpickling it would call open(path, "w")."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def test_a_checkpoint_whose_unpickling_runs_code_is_refused_and_runs_nothing(tmp_path):
-    import torch
-
-    marker = tmp_path / "pwned"
-    torch.save({"config": _CreatesAFile(str(marker)), "mlflow_run_id": "x"}, tmp_path / "ck.pt")
-    ran = _train(tmp_path, "--checkpoint", "ck.pt")
-    assert ran.returncode == 2, ran.stderr
-    assert not marker.exists()  # the payload never ran
-    assert "ck.pt" in ran.stderr + ran.stdout and "Traceback" not in ran.stderr
-    runs = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(["0"]) if (
-        tmp_path / "mlflow.db"
-    ).exists() else []
-    assert not runs  # refused before any run was opened
-
+# a checkpoint whose unpickling would run code: tests/test_input_errors.py
 
 
 @pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)

@@ -31,6 +31,17 @@ def check_canary_count(count: int, parameters: int) -> None:
         )
 
 
+def check_auditable_engine(engine: str) -> None:
+    """Canaries enter the clipping of bk and the per-sample engines; ghost computes norms
+    inside Opacus's two-pass loss, where no canary can be added (auto never picks it)."""
+    if engine not in ("auto", "bk", *PER_SAMPLE_ENGINES):
+        raise DpivonError(
+            f"the audit cannot put canaries into engine {engine}'s clipping (it computes "
+            f"norms inside Opacus's two-pass loss); audit engine bk or one of "
+            f"{', '.join(PER_SAMPLE_ENGINES)}"
+        )
+
+
 @dataclass(frozen=True)
 class Canaries:
     """Dirac gradient canaries c_j = norm_j * e_{k_j} on distinct coordinates k_j of the
@@ -165,11 +176,7 @@ class CanaryExamples:
                 return self._score_if(pre_step(*args, **kwargs))
 
         else:
-            raise DpivonError(
-                f"the audit cannot put canaries into engine {private.engine}'s clipping "
-                f"(it computes norms inside Opacus's two-pass loss); audit engine bk or one "
-                f"of {', '.join(PER_SAMPLE_ENGINES)}"
-            )
+            check_auditable_engine(private.engine)
         optimizer.pre_step = step
         return stage
 

@@ -14,6 +14,7 @@ from dpivon.audit.canaries import (
     CANARY_NORM_IN_CLIPS,
     Canaries,
     CanaryExamples,
+    check_auditable_engine,
     check_canary_count,
 )
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
@@ -130,13 +131,15 @@ AUDIT_DEFAULTS: dict[str, object] = dict(
 
 def check_audit(config: TrainConfig, canaries: int, confidence: float) -> None:
     """What an audit needs, checked before any run is opened: a private optimizer, a finite
-    epsilon, at most one canary per model parameter and a confidence in (0, 1)."""
+    epsilon, an engine the canaries can enter, at most one canary per model parameter and a
+    confidence in (0, 1)."""
     if config.optimizer.name not in PRIVATE_OPTIMIZERS:
         raise DpivonError(
             f"{config.optimizer.name} is not private: audit one of {', '.join(PRIVATE_OPTIMIZERS)}"
         )
     if not math.isfinite(config.privacy.epsilon):
         raise DpivonError("epsilon must be finite: a run without noise claims nothing")
+    check_auditable_engine(config.privacy.engine)
     parameters = sum(p.numel() for p in build_model(config.model.name).parameters())
     check_canary_count(canaries, parameters)
     if not 0 < confidence < 1:

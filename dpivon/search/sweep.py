@@ -396,6 +396,7 @@ def run_sweep(
     groups = sweep_groups(pipeline, trial_epsilons, counts)
     if previous is not None:  # before the store or Ray: a damaged trial checkpoint is named
         _check_resume_files(storage, groups)
+    data = load_data(parse_config(groups[0].base_config))  # a missing path: before Ray, MLflow
     tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
     finished = previous is not None and _every_trial_recorded(
         tracker, previous.parent_run_id, groups
@@ -408,7 +409,6 @@ def run_sweep(
     tags = {"dpivon.kind": "sweep", SWEEP_DIR_TAG: storage.uri,
             **noise_tags(pipeline.research_mode)}
     with _StopOnSignals() as stop:
-        data = load_data(parse_config(groups[0].base_config))
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
             state = previous or _record_new_sweep(pipeline, storage, tracker, parent,

@@ -649,19 +649,20 @@ def run_benchmark(
                                               pipeline.experiment))
     if resume:
         _check_run_checkpoints(pipeline)
+    # every run shares data fields and split; a missing data path fails before Ray and MLflow
+    data = load_data(pipeline.runs[0].config)
     connect(address, pipeline.resources, "run")  # a cluster no run fits: before the store
     # from Ray's start on, whose own SIGTERM handler would abort the driver
     with signals_interrupt():
         tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
-        return _run_and_report(pipeline, tracker, resume)
+        return _run_and_report(pipeline, tracker, resume, data)
 
 
 def _run_and_report(
-    pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
+    pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool, data: DataSplits
 ) -> BenchmarkOutcome:
     """The benchmark's phases once its cluster is up: its parent run, the runs still to do,
     the report; the parent ends FINISHED, KILLED (interrupted) or FAILED."""
-    data = load_data(pipeline.runs[0].config)  # every run shares data fields and split
     parent = _start_or_resume(pipeline, tracker, resume)
     existing = tracker.child_runs_by_tag(parent, KEY_TAG)
     todo = _pending_runs(pipeline, existing)

@@ -37,8 +37,17 @@ _PAGE = 1000  # runs per MLflow search page
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
-    """Explicit URI, else MLFLOW_TRACKING_URI, else a SQLite file in the working directory."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    """Explicit URI, else MLFLOW_TRACKING_URI, else a SQLite file in the working directory;
+    one that is no URI (``https://[::1``) is refused here, naming where it came from."""
+    source = "--tracking-uri (or a run file's tracking_uri:)"
+    if not uri and os.environ.get("MLFLOW_TRACKING_URI"):
+        uri, source = os.environ["MLFLOW_TRACKING_URI"], "$MLFLOW_TRACKING_URI"
+    uri = uri or DEFAULT_TRACKING_URI
+    try:
+        urllib.parse.urlsplit(uri)
+    except ValueError as err:  # MLflow and redact_uri would fail later on it, unnamed
+        raise DpivonError(f"{source} {uri!r} is not a valid URI: {err}") from None
+    return uri
 
 
 REDACTED = "***"
