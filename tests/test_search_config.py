@@ -848,7 +848,8 @@ def test_a_tuning_sweeps_gpu_version_runs_the_trials_of_its_cpu_sweeps(gpu_file)
 
 
 # A study's GPU version (pipelines/ keeps one per study for a cluster) and the study itself.
-GPU_TWINS = {"compare-eps3-gpu.yaml": "compare-eps3.yaml"}
+GPU_TWINS = {"compare-eps3-gpu.yaml": "compare-eps3.yaml",
+             "compare-eps3-tan-gpu.yaml": "compare-eps3-tan.yaml"}
 
 
 @pytest.mark.parametrize("gpu_file", sorted(GPU_TWINS))
