@@ -270,6 +270,59 @@ def shifted_records() -> list[RunRecord]:
     return records
 
 
+def test_report_says_what_privacy_costs_under_shift_against_each_methods_reference():
+    """alpha's reference ref-a has ECE 0.005 k + 0.002 x seed at severity k, beta's ref-b
+    0.01 k: alpha's ECE cost is 0.005 k - 0.001 x seed, beta's 0.01 k + 0.001 x seed. Paired by
+    replicate, beta's cost at severity 3 exceeds alpha's by 0.015 + 0.002 x seed (mean 0.017,
+    std 0.002, 3 seeds), an interval that excludes 0: alpha leads."""
+    records = shifted_records()
+    for name, optimizer, slope, per_seed in (("ref-a", "ivon", 0.005, 0.002),
+                                             ("ref-b", "adam", 0.01, 0.0)):  # fmt: skip
+        for seed in range(3):
+            metrics = {}
+            for k in range(6):
+                metrics[f"test_shift_s{k}_ece"] = slope * k + per_seed * seed
+                metrics[f"test_shift_s{k}_accuracy"] = 0.6 - 0.05 * k
+                metrics[f"test_shift_s{k}_nll"] = 1.0
+            records.append(RunRecord(name, optimizer, math.inf, seed, metrics))
+    methods = ["alpha", "beta", "ref-a", "ref-b"]
+    references = {"alpha": "ref-a", "beta": "ref-b"}
+    report = build_report("Benchmark hand", records, method_order=methods)
+    add_shift_blocks(report, records, methods, references)
+    markdown = report.markdown()
+    assert "### What privacy costs under shift" in markdown
+    assert report.figures["privacy_cost.png"][:4] == b"\x89PNG"
+    # alpha vs ref-a at severity 1: 0.005 - 0.001 x seed, mean 0.004, std 0.001
+    assert "| alpha vs ref-a | 1 | 3 | -0.001 [-0.003, 0.001] | 0.004 [0.002, 0.006] |" in (
+        markdown
+    )
+    assert "| beta vs ref-b | 8 | 3 | 0.001 [-0.001, 0.003] | 0.011 [0.009, 0.013] |" in markdown
+    # accuracy cost: 0.5 - 0.6 at every severity, in points
+    assert "| alpha vs ref-a | 1 | 3 | -10.0 [-10.0, -10.0] |" in markdown
+    # the costs compared: beta's ECE cost at severity 3 is 0.017 above alpha's; the 95 %
+    # interval is 0.017 +- t(0.975, 2) x 0.002 / sqrt(3) = 0.017 +- 0.005
+    row = "| 1 | ECE cost at severity 3 | alpha | beta | +0.017 | [0.012, 0.022] |"
+    assert row in markdown and "3 | trails the best |" in markdown
+    verdict = [line for line in report.verdict if "smallest ECE cost of privacy" in line]
+    assert len(verdict) == 2 and verdict[0].startswith("epsilon 1, under shift (severity 3)")
+    assert "**alpha** (0.014) leads beta (0.031): difference -0.017, 95 % CI [-0.022, -0.012]" in (
+        verdict[0]
+    )
+    assert verdict[0] in markdown  # in the report's Verdict list too
+
+    # without its reference's runs a method has no cost; with none at all, the report says so
+    unmatched = [r for r in records if r.method != "ref-b"]
+    alone = build_report("Benchmark hand", unmatched, method_order=methods)
+    add_shift_blocks(alone, unmatched, methods, references)
+    assert "beta vs ref-b" not in alone.markdown() and "alpha vs ref-a" in alone.markdown()
+    nothing = build_report("Benchmark hand", shifted_records(), method_order=methods)
+    add_shift_blocks(nothing, shifted_records(), methods, references)
+    assert "No private method has a finished run beside a finished run of its" in (
+        nothing.markdown()
+    )
+    assert "privacy_cost.png" not in nothing.figures
+
+
 def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_severity():
     records = shifted_records()
     report = build_report("Benchmark hand", records, method_order=["alpha", "beta"])
@@ -486,6 +539,20 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ),
         ({"colour": "red"}, "colour: unknown key"),
         ({"shift": "most"}, "shift"),
+        (
+            {"methods": [{"name": "x", "optimizer": "dp-sgd", "reference": "adam"}]},
+            "methods.0.reference: 'adam' is not a method of this benchmark; name one of: x",
+        ),
+        (
+            {"methods": [{"name": "a", "optimizer": "adam", "reference": "b"},
+                         {"name": "b", "optimizer": "adam"}]},
+            "a (adam) is not private",
+        ),
+        (
+            {"methods": [{"name": "a", "optimizer": "dp-adam", "reference": "b"},
+                         {"name": "b", "optimizer": "dp-sgd"}]},
+            "b (dp-sgd) is private; the reference is the non-private method",
+        ),
     ],
 )
 def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message):
@@ -888,17 +955,23 @@ def test_a_resume_that_adds_a_method_says_so_on_the_parent(tmp_path):
 def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
     tmp_path, own_cache, fresh_local_ray
 ):
-    methods = [{"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}}]
+    methods = [
+        {"name": "dp-sgd", "optimizer": "dp-sgd", "train": {"lr": 0.5}, "reference": "sgd"},
+        {"name": "sgd", "optimizer": "sgd", "train": {"lr": 0.5}},
+    ]
     path = write_benchmark(tmp_path, name="shifted", methods=methods, epsilons=[8],
                            shift="default")  # fmt: skip
     outcome = run_benchmark(load_benchmark(path))
-    assert not outcome.failed and len(outcome.completed) == 3
+    assert not outcome.failed and len(outcome.completed) == 6
     _, _, children = runs_of(tmp_path, "dpivon-shifted")
     for child in children:
         assert {f"test_shift_s{k}_ece" for k in range(6)} <= child.data.metrics.keys()
     markdown = outcome.report.markdown()
     assert "![shift.png](figures/shift.png)" in markdown
     assert "| dp-sgd | 8 | 3 | clean |" in markdown
+    # the file's reference reaches the report: dp-sgd's cost against sgd, seed by seed
+    assert "![privacy_cost.png](figures/privacy_cost.png)" in markdown
+    assert "| dp-sgd vs sgd | 8 | 3 |" in markdown
 
 
 @pytest.mark.slow

@@ -218,6 +218,7 @@ class Comparison:
 
     metric: str
     epsilon: float
+    better: str  # "max" or "min": the direction in which the metric improves
     best: str
     best_mean: float
     best_interval: Interval
@@ -236,7 +237,7 @@ class Comparison:
         ``unknown`` (one seed), from :func:`dpivon.study.significance.verdict_word`."""
         if self.difference is None:
             return "unknown"
-        return verdict_word(self.difference, SUMMARISED[self.metric])
+        return verdict_word(self.difference, self.better)
 
 
 def seed_values(runs: pd.DataFrame, method: str, epsilon: float, metric: str) -> dict[int, float]:
@@ -245,20 +246,26 @@ def seed_values(runs: pd.DataFrame, method: str, epsilon: float, metric: str) ->
     return {int(r): float(v) for r, v in zip(rows["replicate"], rows[metric], strict=True)}
 
 
-def compare(runs: pd.DataFrame, metric: str, epsilon: float) -> Comparison | None:
-    """Best and runner-up mean of ``metric`` at ``epsilon`` (direction from SUMMARISED) over
-    the runs of a :func:`records_frame`, with their difference's interval and test."""
+def compare(
+    runs: pd.DataFrame, metric: str, epsilon: float, better: str | None = None
+) -> Comparison | None:
+    """Best and runner-up mean of ``metric`` at ``epsilon`` over the runs of a
+    :func:`records_frame` (or any frame of method, epsilon, replicate and ``metric``), with
+    their difference's interval and test. ``better``: "max" or "min" (default: the
+    metric's direction in SUMMARISED)."""
+    better = better or SUMMARISED[metric]
     at = runs[(runs["epsilon"] == epsilon) & runs[metric].notna()]
     if at.empty:
         return None
     means = at.groupby("method", sort=False)[metric].mean()
-    ranked = means.sort_values(ascending=SUMMARISED[metric] == "min", kind="mergesort")
+    ranked = means.sort_values(ascending=better == "min", kind="mergesort")
     values = {m: seed_values(at, m, epsilon, metric) for m in ranked.index}
     best = str(ranked.index[0])
     second = str(ranked.index[1]) if len(ranked) > 1 else None
     return Comparison(
         metric,
         epsilon,
+        better,
         best,
         float(ranked.iloc[0]),
         mean_interval(list(values[best].values())),

@@ -614,7 +614,7 @@ def report_benchmark(
         tuning_scores=tuning_scores,
     )
     if records:
-        add_shift_blocks(report, records, pipeline.method_names)
+        add_shift_blocks(report, records, pipeline.method_names, pipeline.references)
     storage = pipeline.storage
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
         local = Path(tmp)  # the files are made here, then stored and logged

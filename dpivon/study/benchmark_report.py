@@ -18,7 +18,7 @@ import base64
 import html
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,7 +321,7 @@ def _difference_text(c: Comparison, scale: float, decimals: int, unit: str) -> s
     )
 
 
-def _comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str) -> str | None:
+def comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str) -> str | None:
     """The best method on one metric and how it stands against the runner-up, in the words
     the difference's interval allows (see STATISTICS_RULE)."""
     if c is None:
@@ -346,14 +346,14 @@ def verdict_lines(runs: pd.DataFrame) -> list[str]:
     ``runs`` is one row per run (:func:`dpivon.study.aggregate.records_frame`)."""
     lines = []
     for eps in verdict_epsilons(runs):
-        accuracy = _comparison_text(compare(runs, "test_accuracy", eps), 100.0, 1, " points")
-        nll = _comparison_text(compare(runs, "test_nll", eps), 1.0, 3, "")
-        ece = _comparison_text(compare(runs, "test_ece", eps), 1.0, 3, "")
+        accuracy = comparison_text(compare(runs, "test_accuracy", eps), 100.0, 1, " points")
+        nll = comparison_text(compare(runs, "test_nll", eps), 1.0, 3, "")
+        ece = comparison_text(compare(runs, "test_ece", eps), 1.0, 3, "")
         lines.append(
             f"epsilon {eps:g}: best mean test accuracy {accuracy}; "
             f"lowest mean test NLL {nll}; lowest mean test ECE {ece}."
         )
-        collapse = _comparison_text(compare(runs, "last_projected_fraction", eps), 1.0, 3, "")
+        collapse = comparison_text(compare(runs, "last_projected_fraction", eps), 1.0, 3, "")
         if collapse is not None:
             lines.append(
                 f"epsilon {eps:g}: least curvature collapse (lowest fraction of v_hat "
@@ -376,15 +376,19 @@ _DIFFERENCE_METRICS = (
 
 
 def difference_rows(
-    runs: pd.DataFrame, methods: Sequence[str]
+    runs: pd.DataFrame,
+    methods: Sequence[str],
+    metrics: Sequence[tuple[str, str, float, int]] = _DIFFERENCE_METRICS,
+    directions: Mapping[str, str] = SUMMARISED,
 ) -> tuple[list[str], list[list[str]]]:
-    """Every method against the best one, per epsilon and metric: the difference (method
-    minus best), its 95 % interval, the test's p-value, the seeds and the verdict word."""
+    """Every method against the best one, per epsilon and metric (column, label, scale,
+    decimals; ``directions`` says which way each improves): the difference (method minus
+    best), its 95 % interval, the test's p-value, the seeds and the verdict word."""
     header = ["eps", "metric", "best", "method", "difference", "95 % CI", "p", "seeds", "verdict"]
     rows = []
     for eps in sorted(set(runs["epsilon"])):
-        for metric, label, scale, decimals in _DIFFERENCE_METRICS:
-            comparison = compare(runs, metric, eps)
+        for metric, label, scale, decimals in metrics:
+            comparison = compare(runs, metric, eps, directions[metric])
             if comparison is None or comparison.second is None:
                 continue
             best = comparison.best
@@ -394,7 +398,7 @@ def difference_rows(
                 if method == best or not values:
                     continue
                 d = seed_difference(values, reference)
-                word = verdict_word(d, SUMMARISED[metric])
+                word = verdict_word(d, comparison.better)
                 rows.append(
                     [
                         f"{eps:g}",
@@ -560,15 +564,11 @@ def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequ
         ]
     report.figures["diagnostics.png"] = png_bytes(figure)
     with_diagnostics = {r.method for r in records if r.history}
-    report.blocks.append(
-        Images(
-            ["diagnostics.png"],
-            "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over "
-            "seeds; methods without them ("
-            + ", ".join(m for m in methods if m not in with_diagnostics)
-            + ") are not drawn.",
-        )
-    )
+    without = [m for m in methods if m in {r.method for r in records} - with_diagnostics]
+    caption = "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over seeds"
+    if without:
+        caption += f"; methods without them ({', '.join(without)}) are not drawn"
+    report.blocks.append(Images(["diagnostics.png"], caption + "."))
 
 
 def _add_sweep_fronts(report: Report, sweeps: Sequence[ResultsStorage]) -> None:

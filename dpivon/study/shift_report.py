@@ -4,6 +4,12 @@ and the selective-prediction and error-detection table. They read the ``test_shi
 metrics that a benchmark with ``shift: default`` (or ``full``) logs for each run; a run
 without them is left out, and a report with none says how to get them.
 
+Where the benchmark names each private method's non-private ``reference``, the section ends
+with what privacy costs under shift: per seed, the private run's accuracy, ECE and NLL at each
+severity minus its reference's (same replicate), their 95 % intervals, and the methods'
+costs compared pairwise (does DP-IVON-Gradsq keep more of IVON's calibration than DP-Adam
+keeps of Adam's?), in the verdict's words.
+
 Kept apart from `dpivon.study.benchmark_report`, which calls `add_shift_blocks` once: the
 numbers here are means over seeds with their 95 % intervals, like the results table's.
 """
@@ -11,20 +17,23 @@ numbers here are means over seeds with their 95 % intervals, like the results ta
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from dpivon.study.aggregate import RunRecord, seed_summary
+from dpivon.study.aggregate import RunRecord, compare, seed_summary, verdict_epsilons
 from dpivon.study.benchmark_report import (
+    STATISTICS_RULE,
     Block,
     Heading,
     Images,
     Paragraph,
     Report,
     TableBlock,
+    comparison_text,
+    difference_rows,
     mean_with_interval,
 )
 from dpivon.study.figures import png_bytes
@@ -56,6 +65,31 @@ SELECTIVE_NOTE = (
     "detection: the AUROC of telling wrong predictions from right ones by 1 - max-probability, "
     "the predictive entropy and (IVON family) the mutual information across posterior draws "
     "(0.5: no better than chance). Mean over seeds [95 % interval]."
+)
+# What privacy costs under shift: a private run's metric minus its reference's, with the
+# direction in which a cost is better (a smaller ECE increase, a smaller accuracy loss)
+COST_DIRECTIONS = {"accuracy": "max", "ece": "min", "nll": "min"}
+COST_PANELS = tuple(
+    (f"{metric}_cost", f"{title} cost of privacy") for metric, title in SHIFT_PANELS
+)
+# the costs compared between methods: (column, label, scale, decimals)
+COST_DIFFERENCES = (
+    ("ece_cost_s3", "ECE cost at severity 3", 1.0, 3),
+    ("ece_cost_shifted", "ECE cost, mean of severities 1-5", 1.0, 3),
+    ("accuracy_cost_s3", "accuracy cost at severity 3 (points)", 100.0, 1),
+)
+COST_NOTE = (
+    "What privacy costs under shift: each private method against the non-private method the "
+    "benchmark names as its `reference`, replicate by replicate (seed k of the private method "
+    "minus seed k of its reference; the seeds are independent replicates, so the pairs are "
+    "too): accuracy (points), ECE and NLL at each severity. A cost near 0 means privacy took "
+    "little of that uncertainty quality from the method; the methods are then compared by "
+    "their costs, so that DP-IVON-Gradsq is measured against IVON and DP-Adam against Adam. "
+    "Mean over seeds [95 % interval]."
+)
+NO_PAIR_NOTE = (
+    "No private method has a finished run beside a finished run of its `reference` with the "
+    "same seed, both scored under shift: what privacy costs under shift is not measured yet."
 )
 NO_SHIFT_NOTE = (
     "No run of this benchmark was scored under dataset shift: set `shift: default` in the "
@@ -96,14 +130,20 @@ def shift_table(records: Sequence[RunRecord], methods: Sequence[str]) -> pd.Data
     return pd.DataFrame(rows)
 
 
-def plot_shift(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
-    """Accuracy, ECE and NLL against severity, one row of panels per epsilon, one line per
-    method (mean over seeds, error bars its 95 % interval)."""
+def plot_shift(
+    table: pd.DataFrame,
+    methods: Sequence[str],
+    panels: Sequence[tuple[str, str]] = SHIFT_PANELS,
+    zero_line: bool = False,
+) -> Figure:
+    """``panels`` (metric, title; accuracy, ECE and NLL) against severity, one row of panels
+    per epsilon, one line per method (mean over seeds, error bars its 95 % interval);
+    ``zero_line`` marks 0 (for differences)."""
     epsilons = sorted(set(table["epsilon"]))
-    fig = Figure(figsize=(4.0 * len(SHIFT_PANELS), 3.2 * len(epsilons)), layout="constrained")
-    axes = fig.subplots(len(epsilons), len(SHIFT_PANELS), squeeze=False)
+    fig = Figure(figsize=(4.0 * len(panels), 3.2 * len(epsilons)), layout="constrained")
+    axes = fig.subplots(len(epsilons), len(panels), squeeze=False)
     for row, epsilon in enumerate(epsilons):
-        for col, (metric, title) in enumerate(SHIFT_PANELS):
+        for col, (metric, title) in enumerate(panels):
             ax = axes[row][col]
             for i, method in enumerate(methods):
                 rows = table[(table["method"] == method) & (table["epsilon"] == epsilon)]
@@ -120,6 +160,8 @@ def plot_shift(table: pd.DataFrame, methods: Sequence[str]) -> Figure:
                     ],
                     marker="o", ms=4, capsize=3, label=method, color=f"C{i % 10}",
                 )  # fmt: skip
+            if zero_line:
+                ax.axhline(0.0, color="0.4", lw=0.8, ls="--")
             ax.set_xticks(list(SEVERITY_LEVELS), ["clean", "1", "2", "3", "4", "5"])
             ax.set(title=f"{title}, epsilon {epsilon:g}", xlabel="corruption severity")
             ax.grid(alpha=0.3)
@@ -157,8 +199,127 @@ def selective_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def add_shift_blocks(report: Report, records: Sequence[RunRecord], methods: Sequence[str]) -> None:
-    """The shift figure, accuracy and ECE by severity, and the selective-prediction table."""
+def privacy_cost_frame(
+    records: Sequence[RunRecord], references: Mapping[str, str]
+) -> pd.DataFrame:
+    """One row per run of a private method in ``references`` (method -> its non-private
+    reference) whose reference ran the same replicate: method, epsilon, replicate and, per
+    metric of COST_DIRECTIONS, ``<metric>_cost_s<k>`` (the run's value at severity k minus
+    the reference's; 0: the clean set) and ``<metric>_cost_shifted`` (their mean over
+    severities 1-5). ``records`` are runs scored under shift."""
+    reference_runs = {(r.method, r.replicate): r for r in records if math.isinf(r.epsilon)}
+    rows = []
+    for run in records:
+        reference = reference_runs.get((references.get(run.method), run.replicate))
+        if reference is None:
+            continue
+        row: dict[str, object] = {
+            "method": run.method, "epsilon": run.epsilon, "replicate": run.replicate,
+        }  # fmt: skip
+        for metric in COST_DIRECTIONS:
+            costs = [
+                run.metrics.get(shift_key(k, metric), math.nan)
+                - reference.metrics.get(shift_key(k, metric), math.nan)
+                for k in SEVERITY_LEVELS
+            ]
+            row |= {f"{metric}_cost_s{k}": c for k, c in zip(SEVERITY_LEVELS, costs, strict=True)}
+            row[f"{metric}_cost_shifted"] = float(np.mean(costs[1:]))
+        rows.append(row)
+    columns = ["method", "epsilon", "replicate"] + [
+        f"{metric}_cost_{level}"
+        for metric in COST_DIRECTIONS
+        for level in [*(f"s{k}" for k in SEVERITY_LEVELS), "shifted"]
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def cost_table(
+    costs: pd.DataFrame, methods: Sequence[str], references: Mapping[str, str]
+) -> pd.DataFrame:
+    """:func:`shift_table`'s layout for the costs: one row per (method, epsilon, severity),
+    the method labelled ``<method> vs <reference>``, and the seed summary of each
+    ``<metric>_cost``."""
+    rows = []
+    for method in methods:
+        for epsilon in sorted(set(costs.loc[costs["method"] == method, "epsilon"])):
+            group = costs[(costs["method"] == method) & (costs["epsilon"] == epsilon)]
+            for severity in SEVERITY_LEVELS:
+                row: dict[str, object] = {
+                    "method": f"{method} vs {references[method]}", "epsilon": epsilon,
+                    "severity": severity, "n": len(group),
+                }  # fmt: skip
+                for metric in COST_DIRECTIONS:
+                    values = group[f"{metric}_cost_s{severity}"].to_numpy(dtype=np.float64)
+                    row |= seed_summary(f"{metric}_cost", values)
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def privacy_cost_verdict(costs: pd.DataFrame) -> list[str]:
+    """Per extreme epsilon: which method's ECE at severity 3 rises least over its
+    reference's, and whether that leads the runner-up or is indistinguishable from it."""
+    lines = []
+    for eps in verdict_epsilons(costs):
+        text = comparison_text(compare(costs, "ece_cost_s3", eps, "min"), 1.0, 3, "")
+        if text is not None:
+            lines.append(
+                f"epsilon {eps:g}, under shift (severity 3): smallest ECE cost of privacy "
+                f"(ECE minus its non-private reference's, seed by seed) {text}."
+            )
+    return lines
+
+
+def _privacy_cost_blocks(
+    report: Report,
+    shifted: Sequence[RunRecord],
+    methods: Sequence[str],
+    references: Mapping[str, str],
+) -> list[Block]:
+    costs = privacy_cost_frame(shifted, references)
+    blocks: list[Block] = [Heading("What privacy costs under shift", level=3)]
+    if costs.empty:
+        return [*blocks, Paragraph(NO_PAIR_NOTE)]
+    costed = [m for m in methods if m in set(costs["method"])]
+    table = cost_table(costs, costed, references)
+    labels = list(dict.fromkeys(table["method"]))
+    figure = plot_shift(table, labels, COST_PANELS, zero_line=True)
+    report.figures["privacy_cost.png"] = png_bytes(figure)
+    report.verdict.extend(privacy_cost_verdict(costs))  # the Verdict block lists report.verdict
+    by_severity = ["method", "eps", "seeds", "clean", "1", "2", "3", "4", "5"]
+    blocks += [
+        Images(
+            ["privacy_cost.png"],
+            "Private minus its non-private reference, mean over seeds, error bars: 95 % "
+            "interval (0: privacy cost nothing).",
+        ),
+        Paragraph(COST_NOTE),
+        Paragraph("ECE cost of privacy against severity:"),
+        TableBlock(by_severity, severity_rows(table, "ece_cost", 1.0, 3)),
+        Paragraph("Accuracy cost of privacy (points) against severity:"),
+        TableBlock(by_severity, severity_rows(table, "accuracy_cost", 100.0, 1)),
+    ]
+    directions = {
+        column: COST_DIRECTIONS[column.split("_cost")[0]] for column, *_ in COST_DIFFERENCES
+    }
+    header, rows = difference_rows(costs, costed, COST_DIFFERENCES, directions)
+    if rows:
+        blocks += [
+            Paragraph("The costs compared, against the method whose cost is smallest:"),
+            TableBlock(header, rows),
+            Paragraph(STATISTICS_RULE),
+        ]
+    return blocks
+
+
+def add_shift_blocks(
+    report: Report,
+    records: Sequence[RunRecord],
+    methods: Sequence[str],
+    references: Mapping[str, str] | None = None,
+) -> None:
+    """The shift figure, accuracy and ECE by severity, the selective-prediction table and,
+    where private methods name their non-private ``references`` (method -> reference),
+    what privacy costs under shift (its lines join the verdict)."""
     blocks: list[Block] = [Heading("Uncertainty under dataset shift")]
     shifted = shifted_records(records)
     if not shifted:
@@ -178,4 +339,6 @@ def add_shift_blocks(report: Report, records: Sequence[RunRecord], methods: Sequ
         TableBlock(*selective_rows(table)),
         Paragraph(SELECTIVE_NOTE),
     ]
+    if references:
+        blocks += _privacy_cost_blocks(report, shifted, methods, references)
     report.blocks += blocks

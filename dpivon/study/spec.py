@@ -17,7 +17,9 @@ shown)::
       - {name: dp-sgd, optimizer: dp-sgd, train: {lr: 2.0, batch_size: 128}}
       - {name: dp-ivon-ema, optimizer: dp-ivon-gradsq,
          train: {curvature_estimator: ema-corrected, lr: 5.0}}
-      - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee}
+      - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee,
+         reference: adam}            # a non-private method of this file: what privacy
+      - {name: adam, optimizer: adam}  # costs under shift is measured against it
     concurrency: 2                   # runs in flight at once, 1-4096
     resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
     run_timeout_s: 21600             # a run still going after this is cancelled, failed
@@ -36,6 +38,12 @@ Pareto front of (optimizer, epsilon), via `dpivon.search.export`; the benchmark'
 model, epochs, privacy settings and seed replace the sweep's, ``train`` keys go on top.
 Every tuned method must come from sweeps that ran the same number of trials per group:
 a method tuned with more trials would win by budget, not by merit.
+
+A private method's ``reference`` names the non-private method it is the private version of
+(DP-IVON-Gradsq's IVON, DP-Adam's Adam); it changes no run. The report then sets each
+private method's uncertainty under shift beside its reference's, seed by seed (what
+privacy costs, `dpivon.study.shift_report`), so that methods whose non-private versions
+differ are compared by what privacy took from them.
 
 Each run's training seed is derived from (seed, method, epsilon), so in research mode no
 two runs share DP noise (secure noise, the default, is never shared); the split is shared,
@@ -66,7 +74,7 @@ from dpivon.config import (
 )
 from dpivon.constraints import Bound, Float, Int, Seed
 from dpivon.errors import DpivonError
-from dpivon.optim.registry import OptimizerName
+from dpivon.optim.registry import OPTIMIZERS, OptimizerName
 from dpivon.orchestration.run_file import (
     Concurrency,
     Epsilons,
@@ -106,7 +114,32 @@ class Method(StrictModel):
     from_sweep: str | None = None
     pick: Literal[tuple(p for p in PICKS if p != "pareto")] = "knee"  # one config each
     train: TrainExtras = Field(default_factory=dict)
+    reference: str | None = None  # the non-private method this one is the private version of
 
+
+def _check_references(methods: list[Method]) -> list[Method]:
+    """Each ``reference`` names another method of the file, non-private, from a private one."""
+    optimizers = {m.name: m.optimizer for m in methods}
+    for i, method in enumerate(methods):
+        if method.reference is None:
+            continue
+        where = f"methods.{i}.reference"
+        if method.reference not in optimizers:
+            raise ValueError(
+                f"{where}: {method.reference!r} is not a method of this benchmark; name one "
+                f"of: {', '.join(optimizers)}"
+            )
+        if not OPTIMIZERS[method.optimizer].private:
+            raise ValueError(
+                f"{where}: {method.name} ({method.optimizer}) is not private, so privacy costs "
+                "it nothing to measure; give references to private methods only"
+            )
+        if OPTIMIZERS[optimizers[method.reference]].private:
+            raise ValueError(
+                f"{where}: {method.reference} ({optimizers[method.reference]}) is private; the "
+                "reference is the non-private method (e.g. adam for dp-adam)"
+            )
+    return methods
 
 
 @dataclass(frozen=True)
@@ -147,7 +180,10 @@ class BenchmarkPipeline(RunFile):
     ]
     split_seed: Seed = 0
     methods: Annotated[
-        list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
+        list[Method],
+        Field(min_length=1),
+        distinct("method names", lambda m: m.name),
+        AfterValidator(_check_references),
     ]
     concurrency: Concurrency = 2
     run_timeout_s: Annotated[
@@ -179,6 +215,11 @@ class BenchmarkPipeline(RunFile):
     @property
     def method_names(self) -> list[str]:
         return [m.name for m in self.methods]
+
+    @property
+    def references(self) -> dict[str, str]:
+        """Each private method with a ``reference``: method name -> its reference's name."""
+        return {m.name: m.reference for m in self.methods if m.reference is not None}
 
     @property
     def epsilon_list(self) -> list[float]:
