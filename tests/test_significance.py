@@ -115,3 +115,35 @@ def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
     ]
     ((_, _, _, agreement),) = transfer_checks(aggregate(records_ece), ece)
     assert agreement.spearman == pytest.approx(1.0)
+
+
+def test_a_tuned_pick_is_set_against_its_optimizers_setting_given_by_hand():
+    """The first protocol's failure (its tuned DP-SGD lost 6.3 points to the published
+    setting) is what this check names: a pick and a fixed setting of the same optimizer,
+    their test accuracy paired by seed, in the verdict's words."""
+    from dpivon.study.benchmark_report import build_report
+
+    configs = {
+        "tuned": {"optimizer": "dp-sgd", "tuned_by": "s/eps3-dp-sgd/t1"},
+        "anchor": {"optimizer": "dp-sgd", "tuned_by": None},
+        "other": {"optimizer": "dp-adam", "tuned_by": None},  # another optimizer: not paired
+    }
+    # the anchor is 6.3 points ahead on every seed, within 0.1
+    records = _records({"tuned": [0.516, 0.520, 0.512], "anchor": [0.579, 0.582, 0.576],
+                        "other": [0.5, 0.5, 0.5]})  # fmt: skip
+    report = build_report("t", records, method_configs=configs)
+    markdown = report.markdown()
+    line = next(line for line in report.verdict if "setting given by hand" in line)
+    d = seed_difference({0: 0.516, 1: 0.520, 2: 0.512}, {0: 0.579, 1: 0.582, 2: 0.576})
+    assert line.startswith("epsilon 3: the tuned tuned trails **anchor**")
+    assert f"test accuracy difference {d.mean * 100:.1f} points" in line and "3 seeds" in line
+    section = markdown.split("## Tuned picks against settings given by hand")[1].split("\n## ")[0]
+    assert "| 3 | tuned | anchor | -6.3 |" in section and "| trails |" in section
+    assert "| other |" not in section
+    # two seeds 1 point apart with a spread of 0.5: no verdict stronger than the data
+    close = _records({"tuned": [0.60, 0.61], "anchor": [0.595, 0.59]})
+    close_report = build_report("t", close, method_configs=configs)
+    assert any("are indistinguishable at 2 seeds" in v for v in close_report.verdict)
+    # no fixed setting of a tuned optimizer: no such section
+    assert "given by hand" not in build_report("t", close, method_configs={
+        "tuned": configs["tuned"]}).markdown()  # fmt: skip

@@ -45,6 +45,7 @@ from dpivon.study.figures import (
     png_bytes,
 )
 from dpivon.study.significance import (
+    Difference,
     Interval,
     RankAgreement,
     rank_agreement,
@@ -310,8 +311,7 @@ def _interval_text(interval: Interval, scale: float, decimals: int) -> str:
     return f"[{interval.low * scale:.{decimals}f}, {interval.high * scale:.{decimals}f}]"
 
 
-def _difference_text(c: Comparison, scale: float, decimals: int, unit: str) -> str:
-    d = c.difference
+def _difference_text(d: Difference, scale: float, decimals: int, unit: str) -> str:
     if not d.interval.known:
         return f"{abs(d.mean) * scale:.{decimals}f}{unit} apart, one seed: no interval"
     return (
@@ -330,7 +330,7 @@ def comparison_text(c: Comparison | None, scale: float, decimals: int, unit: str
     if c.second is None:
         return f"{best}, the only method"
     second = f"{c.second} ({c.second_mean * scale:.{decimals}f}{unit})"
-    detail = _difference_text(c, scale, decimals, unit)
+    detail = _difference_text(c.difference, scale, decimals, unit)
     if c.word == "leads":
         return f"{best} leads {second}: {detail}"
     if c.word == "unknown":
@@ -424,6 +424,14 @@ TRANSFER_NOTE = (
 )
 
 
+KNOWN_SETTING_NOTE = (
+    "Each tuned method beside every method of the same optimizer whose hyper-parameters the "
+    "benchmark file gives (a published setting): test accuracy of the pick minus the fixed "
+    "setting's, over the seeds. \"leads\": the tuning found a better setting for the final "
+    "runs; \"trails\": the tuning picked a worse one than was known."
+)
+
+
 def final_metric(tuning_metric: str) -> str:
     """The test metric a validation objective stands for (val_accuracy -> test_accuracy)."""
     return "test_" + tuning_metric.removeprefix("val_")
@@ -450,6 +458,50 @@ def transfer_checks(
         )
         checks.append((eps, metric, pairs, agreement))
     return checks
+
+
+def known_setting_pairs(method_configs: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(tuned method, fixed method) of the same optimizer: a sweep's pick beside a setting
+    given by hand (a published one), whose final runs say whether the tuning paid."""
+    tuned = [m for m, c in method_configs.items() if c.get("tuned_by")]
+    fixed = [m for m, c in method_configs.items() if not c.get("tuned_by")]
+    return [
+        (t, f)
+        for t in tuned
+        for f in fixed
+        if method_configs[t]["optimizer"] == method_configs[f]["optimizer"]
+    ]
+
+
+def known_setting_checks(
+    runs: pd.DataFrame, pairs: Sequence[tuple[str, str]]
+) -> list[tuple[float, str, str, Difference]]:
+    """Per epsilon both ran at: (epsilon, tuned, fixed, test accuracy of tuned minus fixed
+    over the seeds, paired where they share two or more)."""
+    checks = []
+    for tuned, fixed in pairs:
+        for eps in sorted(set(runs["epsilon"])):
+            picked = seed_values(runs, tuned, eps, "test_accuracy")
+            known = seed_values(runs, fixed, eps, "test_accuracy")
+            if picked and known:
+                checks.append((eps, tuned, fixed, seed_difference(picked, known)))
+    return checks
+
+
+def known_setting_line(eps: float, tuned: str, fixed: str, d: Difference) -> str:
+    """The verdict's sentence on whether a tuned pick beat its optimizer's fixed setting."""
+    detail = _difference_text(d, 100.0, 1, " points")
+    said = {
+        "leads": f"the tuned **{tuned}** leads {fixed}",
+        "trails": f"the tuned {tuned} trails **{fixed}**",
+        "indistinguishable": f"the tuned {tuned} and {fixed} are indistinguishable at "
+        f"{d.seeds} seeds",
+        "unknown": f"the tuned {tuned} against {fixed}",
+    }[verdict_word(d, "max")]
+    return (
+        f"epsilon {eps:g}: {said} (the same optimizer at a setting given by hand), test "
+        f"accuracy {detail}."
+    )
 
 
 def transfer_line(eps: float, metric: str, agreement: RankAgreement) -> str:
@@ -491,6 +543,31 @@ def _add_transfer_check(
             TableBlock(["method", f"{metric} (tuning)", f"{final} (final, mean)"], rows),
         ]
     report.blocks.append(Paragraph(TRANSFER_NOTE))
+
+
+def _add_known_setting_check(
+    report: Report, checks: Sequence[tuple[float, str, str, Difference]]
+) -> None:
+    header = ["eps", "tuned pick", "fixed setting", "accuracy difference (points)", "95 % CI",
+              "p", "seeds", "verdict"]  # fmt: skip
+    rows = [
+        [
+            f"{eps:g}",
+            tuned,
+            fixed,
+            f"{d.mean * 100:+.1f}",
+            _interval_text(d.interval, 100.0, 1) if d.interval.known else "-",
+            "-" if math.isnan(d.p_value) else f"{d.p_value:.2g}",
+            str(d.seeds),
+            verdict_word(d, "max"),
+        ]
+        for eps, tuned, fixed, d in checks
+    ]
+    report.blocks += [
+        Heading("Tuned picks against settings given by hand"),
+        TableBlock(header, rows),
+        Paragraph(KNOWN_SETTING_NOTE),
+    ]
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -628,6 +705,8 @@ def build_report(
             transfer_line(eps, metric, agreement)
             for eps, metric, _, agreement in transfer_checks(table, tuning_scores)
         ]
+    known = known_setting_checks(runs, known_setting_pairs(method_configs or {}))
+    verdict += [known_setting_line(*check) for check in known]
     blocks = _results_blocks(table, verdict, settings, failed or {})
     report = Report(title, blocks, table, runs, verdict)
     if table.empty:
@@ -644,6 +723,8 @@ def build_report(
     _add_diagnostics(report, records, methods)
     if tuning_scores:
         _add_transfer_check(report, tuning_scores)
+    if known:
+        _add_known_setting_check(report, known)
     if sweeps:
         _add_sweep_fronts(report, sweeps)
     if method_configs:
