@@ -297,18 +297,18 @@ def test_report_says_what_privacy_costs_under_shift_against_each_methods_referen
         markdown
     )
     assert "| beta vs ref-b | 8 | 3 | 0.001 [-0.001, 0.003] | 0.011 [0.009, 0.013] |" in markdown
-    # accuracy cost: 0.5 - 0.6 at every severity, in points
-    assert "| alpha vs ref-a | 1 | 3 | -10.0 [-10.0, -10.0] |" in markdown
+    # accuracy lost: 0.6 - 0.5 at every severity, in points
+    assert "| alpha vs ref-a | 1 | 3 | 10.0 [10.0, 10.0] |" in markdown
     # the costs compared: beta's ECE cost at severity 3 is 0.017 above alpha's; the 95 %
     # interval is 0.017 +- t(0.975, 2) x 0.002 / sqrt(3) = 0.017 +- 0.005
-    row = "| 1 | ECE cost at severity 3 | alpha | beta | +0.017 | [0.012, 0.022] |"
+    row = "| 1 | ECE added at severity 3 | alpha | beta | +0.017 | [0.012, 0.022] |"
     assert row in markdown and "3 | trails the best |" in markdown
-    verdict = [line for line in report.verdict if "smallest ECE cost of privacy" in line]
+    verdict = [line for line in report.verdict if "least ECE added by privacy" in line]
     assert len(verdict) == 2 and verdict[0].startswith("epsilon 1, under shift (severity 3)")
     assert "**alpha** (0.014) leads beta (0.031): difference -0.017, 95 % CI [-0.022, -0.012]" in (
         verdict[0]
     )
-    assert verdict[0] in markdown  # in the report's Verdict list too
+    assert verdict[0] in markdown and "<strong>alpha</strong> (0.014) leads" in report.html()
 
     # without its reference's runs a method has no cost; with none at all, the report says so
     unmatched = [r for r in records if r.method != "ref-b"]
@@ -540,18 +540,26 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ({"colour": "red"}, "colour: unknown key"),
         ({"shift": "most"}, "shift"),
         (
-            {"methods": [{"name": "x", "optimizer": "dp-sgd", "reference": "adam"}]},
-            "methods.0.reference: 'adam' is not a method of this benchmark; name one of: x",
+            {"methods": [{"name": "x", "optimizer": "dp-sgd", "reference": "adam"},
+                         {"name": "sgd", "optimizer": "sgd"}]},
+            ": methods.0.reference: 'adam' is not a method of this benchmark; name one of its "
+            "non-private methods: sgd",
         ),
         (
             {"methods": [{"name": "a", "optimizer": "adam", "reference": "b"},
                          {"name": "b", "optimizer": "adam"}]},
-            "a (adam) is not private",
+            ": methods.0.reference: 'a' (adam) is not private",
         ),
         (
             {"methods": [{"name": "a", "optimizer": "dp-adam", "reference": "b"},
                          {"name": "b", "optimizer": "dp-sgd"}]},
-            "b (dp-sgd) is private; the reference is the non-private method",
+            ": methods.0.reference: 'b' (dp-sgd) is private; the reference is a non-private",
+        ),
+        (
+            {"methods": [{"name": "a", "optimizer": "dp-adam", "reference": "b"},
+                         {"name": "b", "optimizer": "adam"}]},
+            ": methods.0.reference: a reference measures what privacy costs under shift; set "
+            "shift: default",
         ),
     ],
 )
@@ -560,7 +568,7 @@ def test_bad_benchmark_yaml_is_one_line_and_exit_2(tmp_path, overrides, message)
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: invalid benchmark")
-    assert message in result.output
+    assert message in result.output and "methods: methods" not in result.output
 
 
 @pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)

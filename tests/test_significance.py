@@ -133,11 +133,11 @@ def test_a_tuned_pick_is_set_against_its_optimizers_setting_given_by_hand():
                         "other": [0.5, 0.5, 0.5]})  # fmt: skip
     report = build_report("t", records, method_configs=configs)
     markdown = report.markdown()
-    line = next(line for line in report.verdict if "setting given by hand" in line)
+    line = next(line for line in report.verdict if "at fixed hyper-parameters" in line)
     d = seed_difference({0: 0.516, 1: 0.520, 2: 0.512}, {0: 0.579, 1: 0.582, 2: 0.576})
     assert line.startswith("epsilon 3: the tuned tuned trails **anchor**")
     assert f"test accuracy difference {d.mean * 100:.1f} points" in line and "3 seeds" in line
-    section = markdown.split("## Tuned picks against settings given by hand")[1].split("\n## ")[0]
+    section = markdown.split("## Tuned picks against fixed settings")[1].split("\n## ")[0]
     assert "| 3 | tuned | anchor | -6.3 |" in section and "| trails |" in section
     assert "| other |" not in section
     # two seeds 1 point apart with a spread of 0.5: no verdict stronger than the data
@@ -145,5 +145,18 @@ def test_a_tuned_pick_is_set_against_its_optimizers_setting_given_by_hand():
     close_report = build_report("t", close, method_configs=configs)
     assert any("are indistinguishable at 2 seeds" in v for v in close_report.verdict)
     # no fixed setting of a tuned optimizer: no such section
-    assert "given by hand" not in build_report("t", close, method_configs={
+    assert "Tuned picks against" not in build_report("t", close, method_configs={
         "tuned": configs["tuned"]}).markdown()  # fmt: skip
+
+
+def test_a_best_mean_that_loses_on_the_shared_seeds_is_not_called_indistinguishable():
+    """Ranked by the means over all seeds, tested on the seeds both ran: where the two
+    disagree the verdict says so rather than "indistinguishable"."""
+    from dpivon.study.benchmark_report import comparison_text
+
+    # a's third seed lifts its mean above b's, but b is ahead by 0.01 on seeds 0 and 1
+    runs = records_frame(_records({"a": [0.50, 0.51, 0.70], "b": [0.51, 0.52]}))
+    comparison = compare(runs, "test_accuracy", 3.0)
+    assert (comparison.best, comparison.word) == ("a", "trails")
+    text = comparison_text(comparison, 100.0, 1, " points")
+    assert "but b leads on the 2 seeds both ran" in text and "indistinguishable" not in text

@@ -5,13 +5,14 @@ metrics that a benchmark with ``shift: default`` (or ``full``) logs for each run
 without them is left out, and a report with none says how to get them.
 
 Where the benchmark names each private method's non-private ``reference``, the section ends
-with what privacy costs under shift: per seed, the private run's accuracy, ECE and NLL at each
-severity minus its reference's (same replicate), their 95 % intervals, and the methods'
-costs compared pairwise (does DP-IVON-Gradsq keep more of IVON's calibration than DP-Adam
+with what privacy costs under shift: per seed, the accuracy privacy takes and the ECE and
+NLL it adds at each severity against the reference (same replicate), their 95 % intervals,
+and the methods' costs compared (does DP-IVON-Gradsq keep more of IVON's calibration than DP-Adam
 keeps of Adam's?), in the verdict's words.
 
-Kept apart from `dpivon.study.benchmark_report`, which calls `add_shift_blocks` once: the
-numbers here are means over seeds with their 95 % intervals, like the results table's.
+Kept apart from `dpivon.study.benchmark_report`; `dpivon.study.benchmark` calls
+`add_shift_blocks` once per report: the numbers here are means over seeds with their 95 %
+intervals, like the results table's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dpivon.study.figures import png_bytes
 
 SHIFT_PREFIX = "test_shift_s"
 SEVERITY_LEVELS = (0, 1, 2, 3, 4, 5)  # 0: the clean images of the shift set
+SEVERITY_HEADER = ("method", "eps", "seeds", "clean", "1", "2", "3", "4", "5")
 # the figure's panels: (metric, title)
 SHIFT_PANELS = (("accuracy", "accuracy"), ("ece", "ECE"), ("nll", "NLL"))
 # the selective-prediction table: (metric, header, scale, decimals)
@@ -66,26 +68,38 @@ SELECTIVE_NOTE = (
     "the predictive entropy and (IVON family) the mutual information across posterior draws "
     "(0.5: no better than chance). Mean over seeds [95 % interval]."
 )
-# What privacy costs under shift: a private run's metric minus its reference's, with the
-# direction in which a cost is better (a smaller ECE increase, a smaller accuracy loss)
-COST_DIRECTIONS = {"accuracy": "max", "ece": "min", "nll": "min"}
-COST_PANELS = tuple(
-    (f"{metric}_cost", f"{title} cost of privacy") for metric, title in SHIFT_PANELS
+# What privacy costs under shift: how much worse a private run is than its reference (same
+# replicate), so that a smaller cost is better for every metric: +1 the private run's value
+# minus the reference's (ECE, NLL), -1 the reverse (accuracy: the points lost)
+COST_SIGNS = {"accuracy": -1.0, "ece": 1.0, "nll": 1.0}
+COST_PANELS = (
+    ("accuracy_cost", "accuracy lost to privacy"),
+    ("ece_cost", "ECE added by privacy"),
+    ("nll_cost", "NLL added by privacy"),
 )
+# the cost tables by severity: (metric, caption, scale, decimals)
+COST_TABLES = (
+    ("ece", "ECE added by privacy (private minus reference) against severity:", 1.0, 3),
+    ("accuracy", "Accuracy lost to privacy (reference minus private, points) against "
+     "severity:", 100.0, 1),
+    ("nll", "NLL added by privacy (private minus reference) against severity:", 1.0, 3),
+)  # fmt: skip
 # the costs compared between methods: (column, label, scale, decimals)
 COST_DIFFERENCES = (
-    ("ece_cost_s3", "ECE cost at severity 3", 1.0, 3),
-    ("ece_cost_shifted", "ECE cost, mean of severities 1-5", 1.0, 3),
-    ("accuracy_cost_s3", "accuracy cost at severity 3 (points)", 100.0, 1),
+    ("ece_cost_s3", "ECE added at severity 3", 1.0, 3),
+    ("ece_cost_shifted", "ECE added, mean of severities 1-5", 1.0, 3),
+    ("accuracy_cost_s3", "accuracy lost at severity 3 (points)", 100.0, 1),
 )
 COST_NOTE = (
     "What privacy costs under shift: each private method against the non-private method the "
-    "benchmark names as its `reference`, replicate by replicate (seed k of the private method "
-    "minus seed k of its reference; the seeds are independent replicates, so the pairs are "
-    "too): accuracy (points), ECE and NLL at each severity. A cost near 0 means privacy took "
-    "little of that uncertainty quality from the method; the methods are then compared by "
-    "their costs, so that DP-IVON-Gradsq is measured against IVON and DP-Adam against Adam. "
-    "Mean over seeds [95 % interval]."
+    "benchmark names as its `reference`, seed k of the one beside seed k of the other (the "
+    "replicates are independent, so the pairing is valid; it does not reduce the variance): "
+    "the ECE and NLL privacy adds and the accuracy it takes, at each severity. A cost near 0 "
+    "means privacy took little from the method; methods are then compared by their costs, "
+    "so that DP-IVON-Gradsq is measured against IVON and DP-Adam against Adam. Where the "
+    "reference is another optimizer's non-private version (DP-SGD against Adam), the cost "
+    "also holds the difference of the two optimizers. Mean over seeds [95 % interval]; a "
+    "mean is missing where a run did not log that metric."
 )
 NO_PAIR_NOTE = (
     "No private method has a finished run beside a finished run of its `reference` with the "
@@ -204,8 +218,8 @@ def privacy_cost_frame(
 ) -> pd.DataFrame:
     """One row per run of a private method in ``references`` (method -> its non-private
     reference) whose reference ran the same replicate: method, epsilon, replicate and, per
-    metric of COST_DIRECTIONS, ``<metric>_cost_s<k>`` (the run's value at severity k minus
-    the reference's; 0: the clean set) and ``<metric>_cost_shifted`` (their mean over
+    metric of COST_SIGNS, ``<metric>_cost_s<k>`` (how much worse the run is than its
+    reference at severity k; 0: the clean set) and ``<metric>_cost_shifted`` (the mean over
     severities 1-5). ``records`` are runs scored under shift."""
     reference_runs = {(r.method, r.replicate): r for r in records if math.isinf(r.epsilon)}
     rows = []
@@ -216,10 +230,13 @@ def privacy_cost_frame(
         row: dict[str, object] = {
             "method": run.method, "epsilon": run.epsilon, "replicate": run.replicate,
         }  # fmt: skip
-        for metric in COST_DIRECTIONS:
+        for metric, sign in COST_SIGNS.items():
             costs = [
-                run.metrics.get(shift_key(k, metric), math.nan)
-                - reference.metrics.get(shift_key(k, metric), math.nan)
+                sign
+                * (
+                    run.metrics.get(shift_key(k, metric), math.nan)
+                    - reference.metrics.get(shift_key(k, metric), math.nan)
+                )
                 for k in SEVERITY_LEVELS
             ]
             row |= {f"{metric}_cost_s{k}": c for k, c in zip(SEVERITY_LEVELS, costs, strict=True)}
@@ -227,7 +244,7 @@ def privacy_cost_frame(
         rows.append(row)
     columns = ["method", "epsilon", "replicate"] + [
         f"{metric}_cost_{level}"
-        for metric in COST_DIRECTIONS
+        for metric in COST_SIGNS
         for level in [*(f"s{k}" for k in SEVERITY_LEVELS), "shifted"]
     ]
     return pd.DataFrame(rows, columns=columns)
@@ -248,7 +265,7 @@ def cost_table(
                     "method": f"{method} vs {references[method]}", "epsilon": epsilon,
                     "severity": severity, "n": len(group),
                 }  # fmt: skip
-                for metric in COST_DIRECTIONS:
+                for metric in COST_SIGNS:
                     values = group[f"{metric}_cost_s{severity}"].to_numpy(dtype=np.float64)
                     row |= seed_summary(f"{metric}_cost", values)
                 rows.append(row)
@@ -263,52 +280,50 @@ def privacy_cost_verdict(costs: pd.DataFrame) -> list[str]:
         text = comparison_text(compare(costs, "ece_cost_s3", eps, "min"), 1.0, 3, "")
         if text is not None:
             lines.append(
-                f"epsilon {eps:g}, under shift (severity 3): smallest ECE cost of privacy "
+                f"epsilon {eps:g}, under shift (severity 3): least ECE added by privacy "
                 f"(ECE minus its non-private reference's, seed by seed) {text}."
             )
     return lines
 
 
-def _privacy_cost_blocks(
+def _add_privacy_cost(
     report: Report,
     shifted: Sequence[RunRecord],
     methods: Sequence[str],
     references: Mapping[str, str],
-) -> list[Block]:
+) -> None:
+    """The cost section's blocks, its figure, and its verdict lines."""
+    report.blocks.append(Heading("What privacy costs under shift", level=3))
     costs = privacy_cost_frame(shifted, references)
-    blocks: list[Block] = [Heading("What privacy costs under shift", level=3)]
     if costs.empty:
-        return [*blocks, Paragraph(NO_PAIR_NOTE)]
+        report.blocks.append(Paragraph(NO_PAIR_NOTE))
+        return
     costed = [m for m in methods if m in set(costs["method"])]
     table = cost_table(costs, costed, references)
     labels = list(dict.fromkeys(table["method"]))
     figure = plot_shift(table, labels, COST_PANELS, zero_line=True)
     report.figures["privacy_cost.png"] = png_bytes(figure)
-    report.verdict.extend(privacy_cost_verdict(costs))  # the Verdict block lists report.verdict
-    by_severity = ["method", "eps", "seeds", "clean", "1", "2", "3", "4", "5"]
-    blocks += [
+    report.add_verdict(privacy_cost_verdict(costs))
+    report.blocks += [
         Images(
             ["privacy_cost.png"],
-            "Private minus its non-private reference, mean over seeds, error bars: 95 % "
-            "interval (0: privacy cost nothing).",
+            "How much worse each private method is than its non-private reference, mean "
+            "over seeds, error bars: 95 % interval (0: privacy cost nothing).",
         ),
         Paragraph(COST_NOTE),
-        Paragraph("ECE cost of privacy against severity:"),
-        TableBlock(by_severity, severity_rows(table, "ece_cost", 1.0, 3)),
-        Paragraph("Accuracy cost of privacy (points) against severity:"),
-        TableBlock(by_severity, severity_rows(table, "accuracy_cost", 100.0, 1)),
     ]
-    directions = {
-        column: COST_DIRECTIONS[column.split("_cost")[0]] for column, *_ in COST_DIFFERENCES
-    }
-    header, rows = difference_rows(costs, costed, COST_DIFFERENCES, directions)
+    for metric, caption, scale, decimals in COST_TABLES:
+        rows = severity_rows(table, f"{metric}_cost", scale, decimals)
+        report.blocks += [Paragraph(caption), TableBlock(list(SEVERITY_HEADER), rows)]
+    header, rows = difference_rows(
+        costs, costed, COST_DIFFERENCES, {column: "min" for column, *_ in COST_DIFFERENCES}
+    )
     if rows:
-        blocks += [
-            Paragraph("The costs compared, against the method whose cost is smallest:"),
+        report.blocks += [
+            Paragraph("The costs compared, against the method privacy cost least:"),
             TableBlock(header, rows),
             Paragraph(STATISTICS_RULE),
         ]
-    return blocks
 
 
 def add_shift_blocks(
@@ -327,18 +342,17 @@ def add_shift_blocks(
         return
     table = shift_table(shifted, methods)
     report.figures["shift.png"] = png_bytes(plot_shift(table, methods))
-    by_severity = ["method", "eps", "seeds", "clean", "1", "2", "3", "4", "5"]
     blocks += [
         Images(["shift.png"], "Mean over seeds, error bars: 95 % interval (Ovadia et al. 2019)."),
         Paragraph(SHIFT_NOTE),
         Paragraph("ECE against severity (mean over seeds [95 % interval]):"),
-        TableBlock(by_severity, severity_rows(table, "ece", 1.0, 3)),
+        TableBlock(list(SEVERITY_HEADER), severity_rows(table, "ece", 1.0, 3)),
         Paragraph("Accuracy % against severity (mean over seeds [95 % interval]):"),
-        TableBlock(by_severity, severity_rows(table, "accuracy", 100.0, 1)),
+        TableBlock(list(SEVERITY_HEADER), severity_rows(table, "accuracy", 100.0, 1)),
         Heading("Selective prediction and error detection", level=3),
         TableBlock(*selective_rows(table)),
         Paragraph(SELECTIVE_NOTE),
     ]
-    if references:
-        blocks += _privacy_cost_blocks(report, shifted, methods, references)
     report.blocks += blocks
+    if references:
+        _add_privacy_cost(report, shifted, methods, references)

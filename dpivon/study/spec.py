@@ -19,7 +19,7 @@ shown)::
          train: {curvature_estimator: ema-corrected, lr: 5.0}}
       - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee,
          reference: adam}            # a non-private method of this file: what privacy
-      - {name: adam, optimizer: adam}  # costs under shift is measured against it
+      - {name: adam, optimizer: adam}  # costs under shift (needs shift: default or full)
     concurrency: 2                   # runs in flight at once, 1-4096
     resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
     run_timeout_s: 21600             # a run still going after this is cancelled, failed
@@ -66,6 +66,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     field_validator,
+    model_validator,
 )
 
 from dpivon.config import (
@@ -117,31 +118,6 @@ class Method(StrictModel):
     reference: str | None = None  # the non-private method this one is the private version of
 
 
-def _check_references(methods: list[Method]) -> list[Method]:
-    """Each ``reference`` names another method of the file, non-private, from a private one."""
-    optimizers = {m.name: m.optimizer for m in methods}
-    for i, method in enumerate(methods):
-        if method.reference is None:
-            continue
-        where = f"methods.{i}.reference"
-        if method.reference not in optimizers:
-            raise ValueError(
-                f"{where}: {method.reference!r} is not a method of this benchmark; name one "
-                f"of: {', '.join(optimizers)}"
-            )
-        if not OPTIMIZERS[method.optimizer].private:
-            raise ValueError(
-                f"{where}: {method.name} ({method.optimizer}) is not private, so privacy costs "
-                "it nothing to measure; give references to private methods only"
-            )
-        if OPTIMIZERS[optimizers[method.reference]].private:
-            raise ValueError(
-                f"{where}: {method.reference} ({optimizers[method.reference]}) is private; the "
-                "reference is the non-private method (e.g. adam for dp-adam)"
-            )
-    return methods
-
-
 @dataclass(frozen=True)
 class RunSpec:
     """One training run of the benchmark; ``key`` identifies it across resumes."""
@@ -183,7 +159,6 @@ class BenchmarkPipeline(RunFile):
         list[Method],
         Field(min_length=1),
         distinct("method names", lambda m: m.name),
-        AfterValidator(_check_references),
     ]
     concurrency: Concurrency = 2
     run_timeout_s: Annotated[
@@ -193,6 +168,38 @@ class BenchmarkPipeline(RunFile):
     shift: Literal["none", "default", "full"] = "none"
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> BenchmarkPipeline:
+        """Each ``reference`` names a non-private method of the file, from a private one,
+        in a benchmark scored under shift (the only place the reference is used)."""
+        optimizers = {m.name: m.optimizer for m in self.methods}
+        non_private = [name for name, o in optimizers.items() if not OPTIMIZERS[o].private]
+        for i, method in enumerate(self.methods):
+            reference, where = method.reference, f"methods.{i}.reference"
+            if reference is None:
+                continue
+            if reference not in optimizers:
+                raise ValueError(
+                    f"{where}: {reference!r} is not a method of this benchmark; name one of "
+                    f"its non-private methods: {', '.join(non_private) or 'none (add one)'}"
+                )
+            if not OPTIMIZERS[method.optimizer].private:
+                raise ValueError(
+                    f"{where}: {method.name!r} ({method.optimizer}) is not private, so privacy "
+                    "costs it nothing to measure; give references to private methods only"
+                )
+            if OPTIMIZERS[optimizers[reference]].private:
+                raise ValueError(
+                    f"{where}: {reference!r} ({optimizers[reference]}) is private; the "
+                    "reference is a non-private method (e.g. adam for dp-adam)"
+                )
+            if self.shift == "none":
+                raise ValueError(
+                    f"{where}: a reference measures what privacy costs under shift; set "
+                    "shift: default (or full) to score the runs under shift"
+                )
+        return self
 
     @field_validator("seeds")
     @classmethod
