@@ -156,9 +156,7 @@ class BenchmarkPipeline(RunFile):
     ]
     split_seed: Seed = 0
     methods: Annotated[
-        list[Method],
-        Field(min_length=1),
-        distinct("method names", lambda m: m.name),
+        list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
     ]
     concurrency: Concurrency = 2
     run_timeout_s: Annotated[
