@@ -48,9 +48,11 @@ from dpivon.study.aggregate import RunRecord, aggregate, compare, load_records, 
 from dpivon.study.benchmark import (
     RESUMED_TAG,
     CheckpointPlace,
+    duration_text,
     run_benchmark,
     run_one,
     score_on_test,
+    time_left_s,
 )
 from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
@@ -686,6 +688,15 @@ def test_from_sweep_takes_the_exported_pick_and_checks_the_trial_budget(tmp_path
     methods[-1] = {"name": "tuned-more", "optimizer": "dp-sgd", "from_sweep": str(other)}
     with pytest.raises(DpivonError, match="different trial budgets"):
         load_benchmark(write_benchmark(tmp_path, methods=methods))
+
+
+def test_the_time_left_is_the_median_measured_epoch_times_the_epochs_left_per_run_at_once():
+    # a slow first epoch (the start-up of a run) does not move the median
+    assert time_left_s(60, [100.0, 120.0, 500.0], 2) == pytest.approx(60 * 120.0 / 2)
+    assert time_left_s(60, [], 2) is None  # nothing measured yet: no guess
+    assert [duration_text(s) for s in (20.0, 2400.0, 5399.0, 34_200.0)] == [
+        "1 min", "40 min", "90 min", "9.5 h",
+    ]
 
 
 # --- a real run --------------------------------------------------------------------------

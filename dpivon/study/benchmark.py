@@ -23,6 +23,7 @@ import hashlib
 import io
 import math
 import re
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -419,6 +420,21 @@ def _progress() -> Progress:
     )
 
 
+def time_left_s(epochs_left: int, epoch_s: list[float], concurrency: int) -> float | None:
+    """Wall seconds the benchmark's remaining epochs take at the median epoch measured so far
+    (each measured beside the runs in flight with it, so ``concurrency`` of them pass at
+    once), or None before any epoch has been measured. The final test and shift scoring of
+    each run are not in it: a lower estimate."""
+    if not epoch_s:
+        return None
+    return epochs_left * float(statistics.median(epoch_s)) / concurrency
+
+
+def duration_text(seconds: float) -> str:
+    """``seconds`` in the unit a person plans with: "40 min", "9.5 h"."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{max(1, round(seconds / 60))} min"
+
+
 def _finished_line(spec: RunSpec, result: TrainResult) -> str:
     test = result.test or {}
     return (
@@ -446,6 +462,8 @@ def execute_runs(
     queue = list(todo)
     in_flight: dict[ray.ObjectRef, tuple[RunSpec, str, CheckpointPlace, float]] = {}
     epochs: dict[str, int] = {}  # checkpoint name -> the run's last finished epoch
+    last_epoch_at: dict[str, float] = {}  # checkpoint name -> when it reported (or started)
+    epoch_s: list[float] = []  # wall seconds of each epoch this invocation saw end
     epochs_done = Queue(actor_options={"num_cpus": 0})  # no CPU: never delays a run
     total = len(pipeline.runs)
 
@@ -455,7 +473,14 @@ def execute_runs(
             for spec, _, ck, _ in in_flight.values()
         )
         running = f" ({running})" if running else ""
-        return f"{len(in_flight)} running{running}, {len(outcome.failed)} failed"
+        epochs_left = sum(
+            spec.config.training.epochs - epochs.get(ck.name, 0)
+            for spec, _, ck, _ in in_flight.values()
+        ) + sum(spec.config.training.epochs for spec in queue)
+        at_once = min(pipeline.concurrency, len(in_flight) + len(queue))
+        left = time_left_s(epochs_left, epoch_s, max(1, at_once))
+        left = f", about {duration_text(left)} left" if left else ""  # None, or all done
+        return f"{len(in_flight)} running{running}, {len(outcome.failed)} failed{left}"
 
     with _progress() as bar:
         progress = bar.add_task(pipeline.name, total=total, completed=total - len(todo), status="")
@@ -472,6 +497,7 @@ def execute_runs(
                 max(1, int(cpu)), spec.config, data_ref, place, saved, epochs_done, shift_set
             )
             in_flight[ref] = (spec, run_id, place, time.monotonic())
+            last_epoch_at[place.name] = time.monotonic()
 
         def finish(ref, message: str | None = None, status: str = "FAILED") -> None:
             spec, run_id, place, _ = in_flight.pop(ref)
@@ -503,7 +529,11 @@ def execute_runs(
                 bar.update(progress, status=running_status())
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
                 for name, epoch in epochs_done.get_nowait_batch(epochs_done.size()):
-                    epochs[name] = epoch
+                    now = time.monotonic()
+                    # the first epoch of a run also holds its start-up (data to the worker,
+                    # model, privacy plan): seconds, against minutes for an epoch
+                    epoch_s.append(now - last_epoch_at[name])
+                    epochs[name], last_epoch_at[name] = epoch, now
                     if not console.is_terminal:  # no live bar in a log file: a line instead
                         console.print(running_status(), highlight=False)
                 for ref in ready:
