@@ -43,7 +43,7 @@ from dpivon.runs import (
     train,
 )
 from dpivon.saved_files import FORMAT_KEY
-from dpivon.shift import ShiftSet, evaluate_shift_as_configured
+from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import RunRecord, aggregate, compare, load_records, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,
@@ -65,7 +65,7 @@ runner = CliRunner()
 
 # test accuracy / ECE of 3 seeds per (method, epsilon), chosen so means and stds are easy
 HAND = {
-    ("alpha", 1.0): ([0.30, 0.32, 0.34], [0.10, 0.12, 0.14]),
+    ("alpha", 1.0): ([0.30, 0.33, 0.34], [0.10, 0.12, 0.14]),
     ("alpha", 8.0): ([0.50, 0.50, 0.56], [0.05, 0.05, 0.05]),
     ("beta", 1.0): ([0.20, 0.22, 0.24], [0.02, 0.03, 0.04]),
     ("beta", 8.0): ([0.52, 0.54, 0.56], [0.06, 0.08, 0.10]),
@@ -137,12 +137,14 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     )
 
     runs = records_frame(hand_records())
-    # eps 1: alpha leads beta by exactly 0.10 on every seed: the paired interval is [0.1, 0.1]
+    # eps 1: alpha ahead of beta by 0.10, 0.11, 0.10: the paired interval is
+    # 0.1033 ± t(0.975, 2) * 0.00577 / sqrt(3)
     acc = compare(runs, "test_accuracy", 1.0)
     assert (acc.best, acc.second) == ("alpha", "beta")
-    assert acc.gap == pytest.approx(0.10) and acc.word == "leads"
+    assert acc.gap == pytest.approx(0.31 / 3) and acc.word == "leads"
     assert acc.difference.paired and acc.difference.seeds == 3
-    assert acc.difference.interval.low == pytest.approx(0.10)
+    half = 4.302652729911275 * math.sqrt(0.0001 / 3) / math.sqrt(3)
+    assert acc.difference.interval.low == pytest.approx(0.31 / 3 - half)
     # eps 8: beta leads by 0.02 on the means; per seed 0.02, 0.04, 0.00: the interval
     # 0.02 ± 4.30 * 0.02 / sqrt(3) straddles 0
     acc8 = compare(runs, "test_accuracy", 8.0)
@@ -156,11 +158,12 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     assert table.iloc[3][["last_projected_fraction_mean", "last_hess_median_std"]].isna().all()
     lines = verdict_lines(runs)
     assert len(lines) == 4  # per epsilon: the metrics, then the collapse
-    assert lines[0].startswith("epsilon 1:") and "**alpha** (32.0 points) leads beta" in lines[0]
-    assert "difference 10.0 points, 95 % CI [10.0, 10.0], paired t-test" in lines[0]
+    assert lines[0].startswith("epsilon 1:") and "**alpha** (32.3 points) leads beta" in lines[0]
+    assert "difference 10.3 points, 95 % CI [8.9, 11.8], paired t-test" in lines[0]
     # NLL = 2 - accuracy: alpha's is lower at eps 1
-    assert "lowest mean test NLL **alpha** (1.680) leads beta (1.780)" in lines[0]
-    assert lines[1].startswith("epsilon 1: least curvature collapse") and "**alpha**" in lines[1]
+    assert "lowest mean test NLL **alpha** (1.677) leads beta (1.780)" in lines[0]
+    assert lines[1].startswith("epsilon 1: lowest fraction of v_hat projected to zero")
+    assert "**alpha**" in lines[1]
     assert lines[2].startswith("epsilon 8:")
     assert (
         "**beta** (54.0 points) and alpha (52.0 points) are indistinguishable at 3 seeds"
@@ -169,7 +172,7 @@ def test_aggregation_matches_hand_computed_means_and_stds():
     # one seed per method (a benchmark under way): no interval to judge the gap with
     one_seed = records_frame([r for r in hand_records() if r.replicate == 0])
     assert compare(one_seed, "test_accuracy", 1.0).word == "unknown"
-    assert "one seed: no interval" in verdict_lines(one_seed)[0]
+    assert "one seed on a side: no interval" in verdict_lines(one_seed)[0]
 
 
 def test_report_has_the_table_and_a_self_contained_html(tmp_path):
@@ -209,7 +212,7 @@ def test_report_has_the_table_and_a_self_contained_html(tmp_path):
     note = report.note()
     assert report.verdict[2] in note and "| beta | 1 | 3 | 22.0 [17.0, 27.0] |" in note
     # every method against the best, paired by seed: beta trails alpha by 10 points at eps 1
-    assert "| 1 | accuracy (points) | alpha | beta | -10.0 | [-10.0, -10.0] |" in markdown
+    assert "| 1 | accuracy (points) | alpha | beta | -10.3 | [-11.8, -8.9] |" in markdown
     assert "| 3 | trails the best |" in markdown
     assert "| 8 | accuracy (points) | beta | alpha | -2.0 |" in markdown
 
@@ -328,9 +331,12 @@ def test_report_says_what_privacy_costs_under_shift_against_each_methods_referen
 def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_severity():
     records = shifted_records()
     report = build_report("Benchmark hand", records, method_order=["alpha", "beta"])
-    add_shift_blocks(report, records, ["alpha", "beta"])
+    add_shift_blocks(report, records, ["alpha", "beta"], shift_set=SHIFT_SETS["default"])
     markdown = report.markdown()
     assert "## Uncertainty under dataset shift" in markdown
+    # the subset's images are said, and that their sampling error is not in the intervals
+    assert "50 images per class, under `gaussian_noise`, `defocus_blur`, `fog`" in markdown
+    assert "not in the intervals" in markdown
     assert report.figures["shift.png"][:4] == b"\x89PNG"
     assert "![shift.png](figures/shift.png)" in markdown
     # ECE by severity: alpha at eps 1, seeds 0-2 -> 0.01 k + 0.001, std 0.001: the 95 % t
@@ -345,9 +351,10 @@ def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_seve
         markdown
     )
     # paired by seed like the clean metrics: beta's ECE at severity 3 is 0.03 above alpha's
-    # on every seed; equal accuracies are indistinguishable
-    row = "| 1 | ECE at shift severity 3 | alpha | beta | +0.030 | [0.030, 0.030] | 0 | 3 |"
-    assert f"{row} trails the best |" in markdown
+    # on every seed, a difference without spread: no interval, no verdict (a zero-width
+    # interval would call it certain); so are the equal accuracies
+    row = "| 1 | ECE at shift severity 3 | alpha | beta | +0.030 | - | - | 3 | unknown |"
+    assert row in markdown
     assert "| 1 | accuracy at shift severity 3 (points) | alpha | beta | +0.0 |" in markdown
     plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])
     add_shift_blocks(plain, hand_records(), ["alpha", "beta"])

@@ -3,6 +3,7 @@ tests computed here, and the verdict words they allow."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -78,7 +79,6 @@ def test_mean_interval_and_words():
 
 
 def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
-    from dpivon.study.aggregate import aggregate
     from dpivon.study.benchmark_report import build_report, transfer_checks
 
     finals = {"a": [0.60, 0.61], "b": [0.55, 0.56], "c": [0.50, 0.52], "d": [0.45, 0.44]}
@@ -87,12 +87,15 @@ def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
         return {(m, 3.0): (metric, v) for m, v in zip("abcd", values, strict=True)}
 
     records = _records(finals)
-    table = aggregate(records)
+    runs = records_frame(records)
     # the tuning ranked them in reverse: d best, a worst
     reversed_scores = scores("val_accuracy", [0.1, 0.2, 0.3, 0.4])
-    ((eps, metric, pairs, agreement),) = transfer_checks(table, reversed_scores)
-    assert (eps, metric, agreement.items) == (3.0, "val_accuracy", 4)
-    final_means = [pairs[m][1] for m in "abcd"]
+    (check,) = transfer_checks(runs, reversed_scores)
+    agreement = check.agreement
+    assert (check.epsilon, check.metric, agreement.items, check.seeds) == (
+        3.0, "val_accuracy", 4, 2,
+    )  # fmt: skip
+    final_means = [check.pairs[m][1] for m in "abcd"]
     reference = stats.spearmanr([0.1, 0.2, 0.3, 0.4], final_means)
     assert agreement.spearman == pytest.approx(reference.statistic) == pytest.approx(-1.0)
     assert agreement.kendall == pytest.approx(stats.kendalltau([1, 2, 3, 4], [4, 3, 2, 1])[0])
@@ -103,7 +106,8 @@ def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
     # the same order in tuning and final: a perfect agreement of 4 picks, p = 0.083 (Kendall):
     # not significant at 4
     same = scores("val_accuracy", [0.4, 0.3, 0.2, 0.1])
-    ((_, _, _, agreement),) = transfer_checks(table, same)
+    (check,) = transfer_checks(runs, same)
+    agreement = check.agreement
     assert agreement.kendall == pytest.approx(1.0)
     assert agreement.word == "agreed, not significantly"
     # a lower-is-better objective is turned around before ranking: ECE 0.1 is the best
@@ -113,8 +117,14 @@ def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
                   {**r.metrics, "test_ece": 1 - r.metrics["test_accuracy"]})
         for r in records
     ]
-    ((_, _, _, agreement),) = transfer_checks(aggregate(records_ece), ece)
-    assert agreement.spearman == pytest.approx(1.0)
+    (check,) = transfer_checks(records_frame(records_ece), ece)
+    assert check.agreement.spearman == pytest.approx(1.0)
+    # a benchmark under way: d has finished a third seed that lifts its mean above a's; the
+    # picks are ranked on the 2 seeds all of them ran, as before
+    ahead = [*records, RunRecord("d", "dp-sgd", 3.0, 2, {"test_accuracy": 0.99})]
+    (check,) = transfer_checks(records_frame(ahead), same)
+    assert check.seeds == 2 and check.pairs["d"][1] == pytest.approx(0.445)
+    assert check.agreement.kendall == pytest.approx(1.0)
 
 
 def test_a_tuned_pick_is_set_against_its_optimizers_setting_given_by_hand():
@@ -154,9 +164,48 @@ def test_a_best_mean_that_loses_on_the_shared_seeds_is_not_called_indistinguisha
     disagree the verdict says so rather than "indistinguishable"."""
     from dpivon.study.benchmark_report import comparison_text
 
-    # a's third seed lifts its mean above b's, but b is ahead by 0.01 on seeds 0 and 1
-    runs = records_frame(_records({"a": [0.50, 0.51, 0.70], "b": [0.51, 0.52]}))
+    # a's third seed lifts its mean above b's, but b is ahead by 0.0101 and 0.0100 on seeds
+    # 0 and 1 (interval -0.01005 +- 12.7 x 0.00005)
+    runs = records_frame(_records({"a": [0.50, 0.51, 0.70], "b": [0.5101, 0.52]}))
     comparison = compare(runs, "test_accuracy", 3.0)
     assert (comparison.best, comparison.word) == ("a", "trails")
     text = comparison_text(comparison, 100.0, 1, " points")
     assert "but b leads on the 2 seeds both ran" in text and "indistinguishable" not in text
+
+
+def test_a_difference_without_spread_gets_no_interval_and_no_verdict():
+    """Accuracies are multiples of 1 / test images: two seeds can differ by exactly the same
+    amount. scipy's interval is then a point (or rounding wide), which would call a 0.12-point
+    gap on 2 seeds certain."""
+    from dpivon.study.benchmark_report import comparison_text
+
+    d = seed_difference({0: 0.5812, 1: 0.5900}, {0: 0.5800, 1: 0.5888})
+    assert d.mean == pytest.approx(0.0012) and d.paired and d.seeds == 2
+    assert not d.interval.known and math.isnan(d.p_value)
+    assert verdict_word(d, "max") == "unknown"
+    # the same without seeds in common: Welch's test over two constant samples
+    welch = seed_difference({0: 0.6, 1: 0.6}, {5: 0.5, 6: 0.5})
+    assert not welch.paired and not welch.interval.known
+    runs = records_frame(_records({"a": [0.5812, 0.5900], "b": [0.5800, 0.5888]}))
+    text = comparison_text(compare(runs, "test_accuracy", 3.0), 100.0, 2, " points")
+    assert text.endswith("0.12 points apart, the same difference on every seed: no interval")
+    assert "leads" not in text
+    # a spread of a hundredth of a point is spread: an interval, and here a lead
+    spread = seed_difference({0: 0.5813, 1: 0.5900}, {0: 0.5800, 1: 0.5888})
+    assert spread.interval.known and verdict_word(spread, "max") == "leads"
+
+
+def test_spearmans_p_value_is_the_exact_permutation_one_at_a_handful_of_picks():
+    """5 picks ranked alike but for one swap: rho 0.9; 10 of the 120 orderings have
+    |rho| >= 0.9, so the exact two-sided p is 0.083 (scipy's t approximation says 0.037)."""
+    from dpivon.study.significance import rank_agreement
+
+    agreement = rank_agreement(dict(a=5, b=4, c=3, d=2, e=1), dict(a=5, b=3, c=4, d=2, e=1))
+    assert agreement.spearman == pytest.approx(0.9)
+    assert agreement.spearman_p == pytest.approx(
+        sum(
+            abs(stats.spearmanr([5, 4, 3, 2, 1], order).statistic) >= 0.9 - 1e-12
+            for order in itertools.permutations([5, 3, 4, 2, 1])
+        ) / 120
+    )
+    assert agreement.spearman_p > stats.spearmanr([5, 4, 3, 2, 1], [5, 3, 4, 2, 1]).pvalue

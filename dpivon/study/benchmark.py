@@ -644,7 +644,13 @@ def report_benchmark(
         tuning_scores=tuning_scores,
     )
     if records:
-        add_shift_blocks(report, records, pipeline.method_names, pipeline.references)
+        add_shift_blocks(
+            report,
+            records,
+            pipeline.method_names,
+            pipeline.references,
+            SHIFT_SETS.get(pipeline.shift),
+        )
     storage = pipeline.storage
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
         local = Path(tmp)  # the files are made here, then stored and logged

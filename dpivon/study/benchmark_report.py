@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from dpivon.calibration import MIN_FIT_IMAGES
@@ -63,7 +64,10 @@ STATISTICS_RULE = (
     "Intervals are 95 % t intervals over seeds. Two methods are compared by their per-seed "
     "differences (paired t-test over the seeds they share, else Welch's t-test): a method "
     '"leads" only where the 95 % interval of the difference excludes 0; otherwise the two '
-    'are "indistinguishable" at that number of seeds (`dpivon.study.significance`).'
+    'are "indistinguishable" at that number of seeds (`dpivon.study.significance`). The '
+    "pairs are replicate k of each method, fixed before the runs: they share the split and "
+    "the test images, not their randomness, so the paired test is valid and, at a few "
+    "seeds, conservative."
 )
 TEMPERATURE_NOTE = (
     "NLL (TS) and ECE (TS) are after post-hoc temperature scaling (`dpivon.calibration`): "
@@ -76,8 +80,10 @@ TEMPERATURE_NOTE = (
 )
 COLUMN_NOTE = (
     "eps spent: the accountant's epsilon of the training (inf: no noise, clipping only); "
-    "wall s: the time `train` took (training and per-epoch validation, not the final test "
-    "evaluation); T: the fitted temperature (> 1 softens an over-confident predictive)."
+    "wall s: the run's wall time over every attempt (training, per-epoch validation, the "
+    "test, the temperature fit and, with `shift`, the scoring under shift; a run scored under "
+    "shift later from its stored weights leaves that out), beside the other runs in flight; "
+    "T: the fitted temperature (> 1 softens an over-confident predictive)."
 )
 # (column, header, scale, decimals) of the results table
 _COLUMNS = (
@@ -329,7 +335,8 @@ def _difference_cells(d: Difference, scale: float, decimals: int, word: str) -> 
 
 def _difference_text(d: Difference, scale: float, decimals: int, unit: str) -> str:
     if not d.interval.known:
-        return f"{abs(d.mean) * scale:.{decimals}f}{unit} apart, one seed: no interval"
+        why = "the same difference on every seed" if d.seeds >= 2 else "one seed on a side"
+        return f"{abs(d.mean) * scale:.{decimals}f}{unit} apart, {why}: no interval"
     return (
         f"difference {d.mean * scale:.{decimals}f}{unit}, 95 % CI "
         f"{_interval_text(d.interval, scale, decimals)}, {d.test_name} p = {d.p_value:.2g}, "
@@ -377,8 +384,9 @@ def verdict_lines(runs: pd.DataFrame) -> list[str]:
         collapse = comparison_text(compare(runs, "last_projected_fraction", eps), 1.0, 3, "")
         if collapse is not None:
             lines.append(
-                f"epsilon {eps:g}: least curvature collapse (lowest fraction of v_hat "
-                f"projected to zero at the last epoch) {collapse}."
+                f"epsilon {eps:g}: lowest fraction of v_hat projected to zero at the last "
+                f"epoch (one sign of curvature collapse; the diagnostics table has the "
+                f"others) {collapse}."
             )
     return lines
 
@@ -416,7 +424,7 @@ def difference_rows(
             reference = seed_values(runs, best, eps, metric)
             for method in methods:
                 values = seed_values(runs, method, eps, metric)
-                if method == best or not values:
+                if method == best or not np.isfinite(list(values.values())).any():
                     continue
                 d = seed_difference(values, reference)
                 word = verdict_word(d, comparison.better)
@@ -449,26 +457,46 @@ def final_metric(tuning_metric: str) -> str:
     return "test_" + tuning_metric.removeprefix("val_")
 
 
+@dataclass(frozen=True)
+class TransferCheck:
+    """One epsilon's transfer check: the tuning metric, each pick's (tuning score, final
+    mean over ``seeds``, the replicates every pick finished) and their rank agreement."""
+
+    epsilon: float
+    metric: str
+    pairs: dict[str, tuple[float, float]]
+    seeds: int
+    agreement: RankAgreement
+
+
 def transfer_checks(
-    table: pd.DataFrame, tuning_scores: dict[tuple[str, float], tuple[str, float]]
-) -> list[tuple[float, str, dict[str, tuple[float, float]], RankAgreement]]:
-    """Per epsilon with tuned methods: the tuning metric, each pick's (tuning score, final
-    mean) and the rank agreement of the two (larger-is-better for both)."""
+    runs: pd.DataFrame, tuning_scores: dict[tuple[str, float], tuple[str, float]]
+) -> list[TransferCheck]:
+    """Per epsilon with tuned methods: each pick's tuning score against its final mean and
+    the rank agreement of the two (larger-is-better for both). The final means are over the
+    seeds that every pick finished, so that a benchmark under way ranks like for like."""
     checks = []
     for eps in sorted({e for _, e in tuning_scores}):
         picks = {m: score for (m, e), score in tuning_scores.items() if e == eps}
         metric = next(iter(picks.values()))[0]
         final = final_metric(metric)
-        if f"{final}_mean" not in table:
+        if final not in runs:
             continue
-        at = table[table["epsilon"] == eps].set_index("method")[f"{final}_mean"]
-        pairs = {m: (v, float(at[m])) for m, (_, v) in picks.items() if m in at.index}
+        values = {m: seed_values(runs, m, eps, final) for m in picks}
+        values = {m: v for m, v in values.items() if np.isfinite(list(v.values())).any()}
+        shared = set.intersection(
+            *({s for s, x in v.items() if np.isfinite(x)} for v in values.values())
+        ) if values else set()  # fmt: skip
+        pairs = {
+            m: (picks[m][1], float(np.mean([v[s] for s in sorted(shared)])))
+            for m, v in values.items()
+        } if shared else {}  # fmt: skip
         sign = -1.0 if SUMMARISED.get(final) == "min" else 1.0
         agreement = rank_agreement(
             {m: sign * t for m, (t, _) in pairs.items()},
             {m: sign * f for m, (_, f) in pairs.items()},
         )
-        checks.append((eps, metric, pairs, agreement))
+        checks.append(TransferCheck(eps, metric, pairs, len(shared), agreement))
     return checks
 
 
@@ -540,19 +568,20 @@ def transfer_line(eps: float, metric: str, agreement: RankAgreement) -> str:
 def _add_transfer_check(
     report: Report, tuning_scores: dict[tuple[str, float], tuple[str, float]]
 ) -> None:
-    checks = transfer_checks(report.table, tuning_scores)
+    checks = transfer_checks(report.runs, tuning_scores)
     if not checks:
         return
     report.blocks.append(Heading("Did the tuning predict the final runs?"))
-    for eps, metric, pairs, agreement in checks:
-        final = final_metric(metric)
+    for check in checks:
+        final = final_metric(check.metric)
         rows = [
             [method, f"{tuning:.4f}", f"{value:.4f}"]
-            for method, (tuning, value) in sorted(pairs.items(), key=lambda kv: -kv[1][0])
+            for method, (tuning, value) in sorted(check.pairs.items(), key=lambda kv: -kv[1][0])
         ]
+        seeds = f"mean of the {check.seeds} seed{'s' * (check.seeds != 1)} every pick ran"
         report.blocks += [
-            Paragraph(transfer_line(eps, metric, agreement)),
-            TableBlock(["method", f"{metric} (tuning)", f"{final} (final, mean)"], rows),
+            Paragraph(transfer_line(check.epsilon, check.metric, check.agreement)),
+            TableBlock(["method", f"{check.metric} (tuning)", f"{final} (final, {seeds})"], rows),
         ]
     report.blocks.append(Paragraph(TRANSFER_NOTE))
 
@@ -706,8 +735,8 @@ def build_report(
     verdict = verdict_lines(runs) if not table.empty else ["no run finished"]
     if not table.empty and tuning_scores:
         verdict += [
-            transfer_line(eps, metric, agreement)
-            for eps, metric, _, agreement in transfer_checks(table, tuning_scores)
+            transfer_line(check.epsilon, check.metric, check.agreement)
+            for check in transfer_checks(runs, tuning_scores)
         ]
     known = known_setting_checks(runs, known_setting_pairs(method_configs or {}))
     extremes = set(verdict_epsilons(runs))
