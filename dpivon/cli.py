@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def train(
     )
     from dpivon.runs import train as run_training
     from dpivon.runs.tracked import log_training_result, tracked_run
-    from dpivon.shift import SHIFT_FILE, evaluate_shift_as_configured
+    from dpivon.shift import evaluate_shift_as_configured
     from dpivon.tracking.client import Tracker
 
     overrides = config_values
@@ -189,8 +190,11 @@ def train(
                     shifted = evaluate_shift_as_configured(
                         cfg, result.model, result.posterior, data.test_images, shift_set
                     )
-                result.test.update(shifted.by_severity())  # logged and summarised as test_*
-                tracker.log_dict(run_id, shifted.record(), SHIFT_FILE)
+                result = replace(  # logged and summarised as test_*, the sets as shift.json
+                    result,
+                    test={**result.test, **shifted.by_severity()},
+                    shift_record=shifted.record(),
+                )
             with times.phase("logging"):
                 log_training_result(tracker, run_id, result, with_model=log_model)
         summaries.append({**result.summary(), "mlflow_run_id": run_id})

@@ -989,9 +989,14 @@ def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
                            shift="default")  # fmt: skip
     outcome = run_benchmark(load_benchmark(path))
     assert not outcome.failed and len(outcome.completed) == 6
-    _, _, children = runs_of(tmp_path, "dpivon-shifted")
+    client, _, children = runs_of(tmp_path, "dpivon-shifted")
     for child in children:
         assert {f"test_shift_s{k}_ece" for k in range(6)} <= child.data.metrics.keys()
+        # every set's row and what scoring cost, as `dpivon train --shift` logs them
+        record = json.loads(Path(client.download_artifacts(
+            child.info.run_id, "shift.json", str(tmp_path / child.info.run_id))).read_text())
+        assert len(record["sets"]) == 1 + 4 * 5 and record["predict_cpu_s"] > 0
+        assert record["shift_s3_ece"] == pytest.approx(child.data.metrics["test_shift_s3_ece"])
     markdown = outcome.report.markdown()
     assert "![shift.png](figures/shift.png)" in markdown
     assert "| dp-sgd | 8 | 3 | clean |" in markdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -63,6 +64,9 @@ class TrainResult:
     posterior: Posterior | None
     wall_time_s: float
     extra: dict[str, float] = field(default_factory=dict)
+    # every set scored under shift (`dpivon.shift.ShiftResult.record`: rows, images,
+    # seconds), where the run was; its means per severity are in ``test`` as shift_s<k>_*
+    shift_record: dict[str, Any] | None = None
     engine: str | None = None  # the clipping engine ``auto`` resolved to (private runs)
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 

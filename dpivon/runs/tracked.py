@@ -15,6 +15,7 @@ from dpivon.privacy.noise import noise_tags
 from dpivon.runs.checkpoint import RunCheckpoint
 from dpivon.runs.release import released_metrics
 from dpivon.runs.result import TrainResult
+from dpivon.shift import SHIFT_FILE
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.served_model import log_model
 
@@ -56,7 +57,8 @@ RUN_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon", "tra
 def log_training_result(
     tracker: Tracker, run_id: str, result: TrainResult, *, with_model: bool = True
 ) -> None:
-    """Final metrics, privacy facts, the reliability diagram and the model of a TrainResult."""
+    """Final metrics, privacy facts, the scores under shift (where it was scored), the
+    reliability diagram and the model of a TrainResult."""
     summary = result.summary()
     tracker.log_params(run_id, {k: summary[k] for k in RUN_PARAMS})
     # Per-epoch values are already logged; the rest of the summary's numbers are params.
@@ -68,6 +70,8 @@ def log_training_result(
     tracker.log_metrics(run_id, final, step=result.config.training.epochs)
     tracker.log_dict(run_id, summary, "summary.json")
     tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")
+    if result.shift_record is not None:
+        tracker.log_dict(run_id, result.shift_record, SHIFT_FILE)
     if result.test_reliability is not None:
         figure = plot_reliability_diagram(
             result.test_reliability, title=f"{result.config.optimizer.name}: test reliability"

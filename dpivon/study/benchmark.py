@@ -141,13 +141,16 @@ def score_on_test(
         extra["temperature"] = temperature
         extra.update({f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"})
     diagram = reliability_diagram(test.probs, test.labels, config.evaluation.ece_bins)
-    metrics = dict(test.metrics)
+    metrics, shift_record = dict(test.metrics), None
     if shift_set is not None:
         shifted = evaluate_shift_as_configured(
             config, result.model, result.posterior, data.test_images, shift_set
         )
         metrics.update(shifted.by_severity())
-    return replace(result, test=metrics, test_reliability=diagram, extra=extra)
+        shift_record = shifted.record()
+    return replace(
+        result, test=metrics, test_reliability=diagram, extra=extra, shift_record=shift_record
+    )
 
 
 class EpochSink(Protocol):
