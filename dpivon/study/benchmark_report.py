@@ -482,21 +482,18 @@ def transfer_checks(
         final = final_metric(metric)
         if final not in runs:
             continue
-        values = {m: seed_values(runs, m, eps, final) for m in picks}
-        values = {m: v for m, v in values.items() if np.isfinite(list(v.values())).any()}
-        shared = set.intersection(
-            *({s for s, x in v.items() if np.isfinite(x)} for v in values.values())
-        ) if values else set()  # fmt: skip
-        pairs = {
-            m: (picks[m][1], float(np.mean([v[s] for s in sorted(shared)])))
-            for m, v in values.items()
-        } if shared else {}  # fmt: skip
+        at = runs[(runs["epsilon"] == eps) & runs["method"].isin(list(picks))]
+        # one column per pick that has a finite value, one row per seed all of them have
+        by_seed = at.pivot(index="replicate", columns="method", values=final)
+        by_seed = by_seed.dropna(axis="columns", how="all").dropna()
+        pairs = {m: (picks[m][1], float(v)) for m, v in by_seed.mean().items()}
+        shared = len(by_seed)
         sign = -1.0 if SUMMARISED.get(final) == "min" else 1.0
         agreement = rank_agreement(
             {m: sign * t for m, (t, _) in pairs.items()},
             {m: sign * f for m, (_, f) in pairs.items()},
         )
-        checks.append(TransferCheck(eps, metric, pairs, len(shared), agreement))
+        checks.append(TransferCheck(eps, metric, pairs, shared, agreement))
     return checks
 
 

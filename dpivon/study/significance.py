@@ -32,6 +32,8 @@ from scipy import stats
 CONFIDENCE = 0.95
 # Spearman's permutation test: exact (every pairing) up to 8 items, else this many draws
 SPEARMAN_RESAMPLES = 40_320
+# Below this width (relative to the difference) an interval is rounding, not spread.
+NO_SPREAD = 1e-9
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,6 @@ def seed_difference(first: Mapping[int, float], second: Mapping[int, float]) -> 
             return Difference(mean, UNKNOWN, math.nan, min(len(a), len(b)), paired=False)
         result = stats.ttest_ind(a, b, equal_var=False)
         return _difference(float(np.mean(a) - np.mean(b)), result, min(len(a), len(b)), False)
-
-
-# Below this width (relative to the difference) an interval is rounding, not spread.
-NO_SPREAD = 1e-9
 
 
 def _difference(mean: float, result, seeds: int, paired: bool) -> Difference:
