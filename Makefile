@@ -34,12 +34,15 @@ quickstart: $(STAMP)
 	    $(BIN)/dpivon sweep pipelines/quickstart.yaml; \
 	fi
 
-test: $(STAMP)
+# ruff's linter and its formatter (the code is kept as `ruff format .` writes it).
+lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test-fast: $(STAMP)
-	$(BIN)/ruff check .
+test-fast: lint
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not integration"
 
 ui: $(STAMP)

@@ -119,8 +119,7 @@ def write_pipeline(args: argparse.Namespace, folder: Path) -> Path:
         trial_count=args.trial_count,
         concurrency=args.concurrency,
         resources={"cpu": args.trial_cpu, "gpu": args.trial_gpu},
-        scheduler={"type": "asha", "grace_period": max(1, args.epochs // 6),
-                   "reduction_factor": 2},
+        scheduler={"type": "asha", "grace_period": max(1, args.epochs // 6), "reduction_factor": 2},
         optimizers=[
             {"name": e["name"], "space": str(SPACES / Path(e["space"]).name)}
             for e in study["optimizers"]
@@ -144,8 +143,12 @@ def main() -> None:
     parser.add_argument("--trial-cpu", type=float, default=1)
     parser.add_argument("--trial-gpu", type=float, default=0.5)
     parser.add_argument("--concurrency", type=int, default=0, help="0: what the cluster fits")
-    parser.add_argument("--epoch-seconds", type=float, default=60.0,
-                        help="a real trial epoch, for the saturation estimate")
+    parser.add_argument(
+        "--epoch-seconds",
+        type=float,
+        default=60.0,
+        help="a real trial epoch, for the saturation estimate",
+    )
     args = parser.parse_args()
     args.concurrency = args.concurrency or None
 
@@ -153,8 +156,9 @@ def main() -> None:
     writes.install()
     with tempfile.TemporaryDirectory(prefix="dpivon-occupancy-") as tmp:
         pipeline = load_pipeline(write_pipeline(args, Path(tmp)))
-        ray.init(num_cpus=args.cpus, num_gpus=args.gpus, include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(
+            num_cpus=args.cpus, num_gpus=args.gpus, include_dashboard=False, log_to_driver=False
+        )
         started = time.time()
         with CpuClock() as cpu_clock:
             run_sweep(pipeline)
@@ -166,20 +170,26 @@ def main() -> None:
     # A run ends at its last epoch's metrics: logging a front member's model at the end of
     # the sweep moves its MLflow end_time to then.
     histories = [tracker.metric_history(r.info.run_id, "val_accuracy") for r in runs]
-    spans = np.array([
-        (r.info.start_time, max((m.timestamp for m in h), default=r.info.end_time))
-        for r, h in zip(runs, histories, strict=True)
-    ]) / 1000.0
+    spans = (
+        np.array(
+            [
+                (r.info.start_time, max((m.timestamp for m in h), default=r.info.end_time))
+                for r, h in zip(runs, histories, strict=True)
+            ]
+        )
+        / 1000.0
+    )
     first, last = spans[:, 0].min(), spans[:, 1].max()
     window = last - first
     busy = float((spans[:, 1] - spans[:, 0]).sum())
-    slots = min(args.cpus // args.trial_cpu,
-                args.gpus // args.trial_gpu if args.trial_gpu else np.inf,
-                args.concurrency or np.inf)
+    slots = min(
+        args.cpus // args.trial_cpu,
+        args.gpus // args.trial_gpu if args.trial_gpu else np.inf,
+        args.concurrency or np.inf,
+    )
     groups = [r.data.tags[GROUP_TAG] for r in runs]
     in_flight = max(
-        len({g for g, (s, e) in zip(groups, spans, strict=True) if s <= t < e})
-        for t in spans[:, 0]
+        len({g for g, (s, e) in zip(groups, spans, strict=True) if s <= t < e}) for t in spans[:, 0]
     )
     epochs = sum(len(h) for h in histories)
     latency = writes.within(first, last)
@@ -187,25 +197,37 @@ def main() -> None:
     per_epoch = len(latency) / epochs
     driver_cpu = cpu_clock.between(first, last)
 
-    print(f"sweep: {len(set(groups))} groups, {len(runs)} trials, {epochs} trial-epochs; "
-          f"cluster {args.cpus:g} CPU / {args.gpus:g} GPU (logical), each trial "
-          f"{args.trial_cpu:g} CPU / {args.trial_gpu:g} GPU, {slots:g} slots")
-    print(f"wall: {ended - started:.0f} s in all; setup {first - started:.0f} s, trials "
-          f"{window:.0f} s, report {ended - last:.0f} s")
-    print(f"occupancy once started: CPU {busy * args.trial_cpu / (args.cpus * window):.1%}, "
-          f"GPU {busy * args.trial_gpu / (args.gpus * window):.1%}, slots "
-          f"{busy / (slots * window):.1%}; mean trial {busy / len(runs):.1f} s")
+    print(
+        f"sweep: {len(set(groups))} groups, {len(runs)} trials, {epochs} trial-epochs; "
+        f"cluster {args.cpus:g} CPU / {args.gpus:g} GPU (logical), each trial "
+        f"{args.trial_cpu:g} CPU / {args.trial_gpu:g} GPU, {slots:g} slots"
+    )
+    print(
+        f"wall: {ended - started:.0f} s in all; setup {first - started:.0f} s, trials "
+        f"{window:.0f} s, report {ended - last:.0f} s"
+    )
+    print(
+        f"occupancy once started: CPU {busy * args.trial_cpu / (args.cpus * window):.1%}, "
+        f"GPU {busy * args.trial_gpu / (args.gpus * window):.1%}, slots "
+        f"{busy / (slots * window):.1%}; mean trial {busy / len(runs):.1f} s"
+    )
     print(f"groups in flight at once: up to {in_flight} of {len(set(groups))}")
-    print(f"driver per trial: {driver_cpu / len(runs):.2f} CPU-s "
-          f"({driver_cpu / window:.0%} of one core over the trials); its MLflow writes "
-          f"take {latency.sum() / len(runs):.3f} s of wall time per trial")
-    print(f"MLflow: {len(latency) / window:.1f} writes/s ({per_epoch:.1f} per trial-epoch), "
-          f"mean latency {latency.mean() * 1000:.1f} ms, p95 "
-          f"{np.percentile(latency, 95) * 1000:.1f} ms; the writer is busy "
-          f"{latency.sum() / window:.1%} of the time")
-    print(f"single writer saturates at ~{capacity:.0f} writes/s = "
-          f"{capacity / per_epoch:.0f} trial-epochs/s: at {args.epoch_seconds:g} s per epoch, "
-          f"~{capacity / per_epoch * args.epoch_seconds:.0f} trials in flight")
+    print(
+        f"driver per trial: {driver_cpu / len(runs):.2f} CPU-s "
+        f"({driver_cpu / window:.0%} of one core over the trials); its MLflow writes "
+        f"take {latency.sum() / len(runs):.3f} s of wall time per trial"
+    )
+    print(
+        f"MLflow: {len(latency) / window:.1f} writes/s ({per_epoch:.1f} per trial-epoch), "
+        f"mean latency {latency.mean() * 1000:.1f} ms, p95 "
+        f"{np.percentile(latency, 95) * 1000:.1f} ms; the writer is busy "
+        f"{latency.sum() / window:.1%} of the time"
+    )
+    print(
+        f"single writer saturates at ~{capacity:.0f} writes/s = "
+        f"{capacity / per_epoch:.0f} trial-epochs/s: at {args.epoch_seconds:g} s per epoch, "
+        f"~{capacity / per_epoch * args.epoch_seconds:.0f} trials in flight"
+    )
 
 
 if __name__ == "__main__":

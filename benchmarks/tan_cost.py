@@ -38,9 +38,7 @@ def timed(config, data) -> tuple[float, float]:
     phases = PhaseTimes()
     train(config, data=data, evaluate_test=False, phases=phases)
     steps = config.training.steps_per_epoch
-    return (phases.seconds["train"] + phases.seconds["data"]) / steps, phases.seconds[
-        "validation"
-    ]
+    return (phases.seconds["train"] + phases.seconds["data"]) / steps, phases.seconds["validation"]
 
 
 def main() -> None:
@@ -56,8 +54,16 @@ def main() -> None:
     console.print(f"load average before: {os.getloadavg()}")
     data = None
     table = Table(title=f"{pipeline.name}: one trial against its final run (projected)")
-    for column in ("method", "step B s", "step B/k s", "val final s", "val trial s",
-                   "final min", "trial min", "trial / final"):
+    for column in (
+        "method",
+        "step B s",
+        "step B/k s",
+        "val final s",
+        "val trial s",
+        "final min",
+        "trial min",
+        "trial / final",
+    ):
         table.add_column(column, justify="left" if column == "method" else "right")
     for name, space in pipeline.spaces.items():
         point = space.trial_config(dict(space.start_points[0])) if space.start_points else {}

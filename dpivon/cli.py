@@ -490,8 +490,7 @@ def audit(
     tags = {"dpivon.kind": "audit"}
     with tracked_run(tracker, cfg, name, tags=tags, params=audit_params) as run_id:
         with progress_bar(sys.stderr.isatty()) as on_step:
-            result = run_audit(cfg, canaries, confidence=confidence, data=data,
-                               on_step=on_step)
+            result = run_audit(cfg, canaries, confidence=confidence, data=data, on_step=on_step)
         summary = {**result.summary(), "mlflow_run_id": run_id}
         tracker.log_metrics(
             run_id, {k: v for k, v in summary.items() if isinstance(v, int | float)}
@@ -533,9 +532,7 @@ def predict(
         str,
         typer.Argument(help="an MLflow model: runs:/RUN_ID/model, models:/NAME/VERSION, a path"),
     ],
-    images: Opt[
-        list[Path], typer.Argument(help="PNG/JPEG files, folders of them, .npy batches")
-    ],
+    images: Opt[list[Path], typer.Argument(help="PNG/JPEG files, folders of them, .npy batches")],
     json_output: Opt[bool, typer.Option("--json", help="print every column as JSON")] = False,
     bma_samples: Opt[
         int | None,
@@ -546,7 +543,8 @@ def predict(
         bool, typer.Option(help="a .npy batch of floats already CIFAR-normalised")
     ] = False,
     tracking_uri: Opt[
-        str | None, typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)")
+        str | None,
+        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
     ] = None,
 ) -> None:
     """Classify images with a logged model: class, probability, entropy (and, for the IVON
@@ -649,7 +647,8 @@ def evaluate(
     seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
     json_path: Opt[Path | None, typer.Option("--json", help="write every number here")] = None,
     tracking_uri: Opt[
-        str | None, typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)")
+        str | None,
+        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
     ] = None,
 ) -> None:
     """Score a logged or saved model under dataset shift, without retraining: accuracy, NLL,

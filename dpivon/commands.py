@@ -64,7 +64,6 @@ class OneLineUsageErrors(typer.core.TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-
 console = Console(stderr=True)
 
 
@@ -254,7 +253,6 @@ def progress_bar(enabled: bool) -> Iterator[Callable]:
 
     with bar:
         yield on_step
-
 
 
 Opt = Annotated

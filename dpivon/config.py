@@ -99,6 +99,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 # The choice lists a config names; the code that implements each choice takes its list from
 # here (typing.get_args), so a choice is added in one place besides its implementation.
 DatasetName = Literal["cifar10", "synthetic"]  # dpivon.data
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 

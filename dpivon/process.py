@@ -40,9 +40,7 @@ def allocator() -> str:
     """The allocator ``DPIVON_ALLOCATOR`` asks for (default jemalloc)."""
     choice = os.environ.get(ALLOCATOR_ENV, "jemalloc")
     if choice not in ALLOCATORS:
-        raise DpivonError(
-            f"{ALLOCATOR_ENV} must be one of {', '.join(ALLOCATORS)}, got {choice!r}"
-        )
+        raise DpivonError(f"{ALLOCATOR_ENV} must be one of {', '.join(ALLOCATORS)}, got {choice!r}")
     return choice
 
 
@@ -108,4 +106,3 @@ def enter_ray_worker(threads: int) -> None:
     quiet_known_output()
     configure_process()
     torch.set_num_threads(max(1, threads))
-

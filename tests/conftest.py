@@ -62,8 +62,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str,
-               process: subprocess.Popen | None = None) -> None:
+def wait_until(
+    check: Callable[[], bool], timeout_s: float, what: str, process: subprocess.Popen | None = None
+) -> None:
     """Poll ``check`` until it holds; fail the test in one line at the deadline or when
     ``process`` (the thing waited for) has exited."""
     deadline = time.monotonic() + timeout_s
@@ -86,8 +87,13 @@ def answers(url: str) -> bool:
 def start_process(args: list, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A service process in its own session (so its group can be ended), logging to ``log``."""
     with open(log, "ab") as out:
-        return subprocess.Popen([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        return subprocess.Popen(
+            [str(a) for a in args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def session_members(session: int) -> list[int]:
@@ -141,8 +147,9 @@ def spawn(tmp_path) -> Iterator[Callable[..., tuple[subprocess.Popen, Path]]]:
     starts, e.g. a local Ray) and its log (stdout and stderr); ended at teardown."""
     started: list[subprocess.Popen] = []
 
-    def start(args: list, name: str,
-              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    def start(
+        args: list, name: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen, Path]:
         log = tmp_path / f"{name}.log"
         started.append(start_process(args, log, {**os.environ, **(env or {})}))
         return started[-1], log
@@ -165,18 +172,40 @@ class Postgres:
         return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{database}"
 
     def _createdb(self, name: str, *options: str) -> None:
-        subprocess.run([PG_BIN / "createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U",
-                        "postgres", *options, name], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                PG_BIN / "createdb",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                *options,
+                name,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     def new_database(self) -> str:
         """A database with MLflow's tables: copied from a template that MLflow set up once
         (its migrations take most of a minute on a busy machine)."""
         if self._template is None:
             self._createdb("mlflow_template")
-            subprocess.run([sys.executable, "-c", "import sys; from mlflow.store.tracking."
-                            "sqlalchemy_store import SqlAlchemyStore as S; S(sys.argv[1], '/')",
-                            self.uri("mlflow_template")], check=True, capture_output=True,
-                           timeout=300)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from mlflow.store.tracking."
+                    "sqlalchemy_store import SqlAlchemyStore as S; S(sys.argv[1], '/')",
+                    self.uri("mlflow_template"),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
             self._template = "mlflow_template"
         name = f"db{next(_names)}"
         self._createdb(name, "-T", self._template)
@@ -187,23 +216,46 @@ class Postgres:
 def pg() -> Iterator[Postgres]:
     """A throw-away PostgreSQL 15 cluster on a free loopback port (runs as user postgres)."""
     if not (PG_BIN / "initdb").exists():
-        pytest.fail(f"PostgreSQL 15 is needed for this test ({PG_BIN}): apt-get install "
-                    "postgresql-15")
+        pytest.fail(
+            f"PostgreSQL 15 is needed for this test ({PG_BIN}): apt-get install postgresql-15"
+        )
     data = Path(tempfile.mkdtemp(prefix="dpivon-pg-"))
     shutil.chown(data, "postgres", "postgres")
     as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     port = free_port()
-    subprocess.run([*as_postgres, PG_BIN / "initdb", "-D", data / "db", "-A", "trust",
-                    "-U", "postgres"], check=True, capture_output=True, timeout=120)
-    subprocess.run([*as_postgres, PG_BIN / "pg_ctl", "-D", data / "db", "-w", "-t", "60",
-                    "-l", data / "log", "-o",
-                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],
-                   check=True, capture_output=True, timeout=90)
+    subprocess.run(
+        [*as_postgres, PG_BIN / "initdb", "-D", data / "db", "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    subprocess.run(
+        [
+            *as_postgres,
+            PG_BIN / "pg_ctl",
+            "-D",
+            data / "db",
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            data / "log",
+            "-o",
+            f"-p {port} -k {data} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=90,
+    )
     try:
         yield Postgres(port)
     finally:
-        subprocess.run([*as_postgres, PG_BIN / "pg_ctl", "-D", data / "db", "-m", "fast",
-                        "-t", "60", "stop"], capture_output=True, timeout=90)
+        subprocess.run(
+            [*as_postgres, PG_BIN / "pg_ctl", "-D", data / "db", "-m", "fast", "-t", "60", "stop"],
+            capture_output=True,
+            timeout=90,
+        )
         shutil.rmtree(data, ignore_errors=True)
 
 
@@ -226,8 +278,7 @@ class S3:
 
     def keys(self, prefix: str = "") -> list[str]:
         client = boto3.client("s3", endpoint_url=self.endpoint)
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                  Prefix=prefix)
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
 
 
@@ -270,16 +321,26 @@ class MlflowServer:
 
     def __init__(self, backend: str, artifacts: str, log: Path, env: dict[str, str]):
         self.port, self.log, self.env = free_port(), log, env
-        self.args = [BIN / "mlflow", "server", "--host", "127.0.0.1", "--port", self.port,
-                     "--backend-store-uri", backend, "--artifacts-destination", artifacts,
-                     "--workers", "1"]
+        self.args = [
+            BIN / "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            self.port,
+            "--backend-store-uri",
+            backend,
+            "--artifacts-destination",
+            artifacts,
+            "--workers",
+            "1",
+        ]
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.process = start_process(self.args, self.log, {**os.environ, **self.env})
-        wait_until(lambda: answers(f"{self.uri}/health"), 120, "the MLflow server",
-                   self.process)
+        wait_until(lambda: answers(f"{self.uri}/health"), 120, "the MLflow server", self.process)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -333,9 +394,13 @@ class RayCluster:
 
     def node_ids(self) -> set[str]:
         """The alive nodes, from `ray status` (empty while the head does not answer)."""
-        status = subprocess.run([BIN / "ray", "status", "--address", self.address],
-                                capture_output=True, text=True, timeout=60,
-                                env={**os.environ, **self.env})
+        status = subprocess.run(
+            [BIN / "ray", "status", "--address", self.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **self.env},
+        )
         active = status.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
         return set(re.findall(r"node_([0-9a-f]+)", active)) if status.returncode == 0 else set()
 
@@ -343,13 +408,21 @@ class RayCluster:
         before = self.node_ids() if self.processes else set()
         # every port a node opens is chosen here: the defaults (52365, ...) would collide
         # with other Ray clusters on the machine
-        ports = [f"--{flag}={free_port()}" for flag in (
-            "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-            "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
-            "object-manager-port")]
+        ports = [
+            f"--{flag}={free_port()}"
+            for flag in (
+                "dashboard-agent-listen-port",
+                "dashboard-agent-grpc-port",
+                "runtime-env-agent-port",
+                "metrics-export-port",
+                "node-manager-port",
+                "object-manager-port",
+            )
+        ]
         process = start_process(
             [BIN / "ray", "start", "--block", "--disable-usage-stats", *ports, *args],
-            self.logs / f"{name}.log", {**os.environ, **self.env, **(env or {})},
+            self.logs / f"{name}.log",
+            {**os.environ, **self.env, **(env or {})},
         )
         self.processes.append(process)
         new: set[str] = set()
@@ -362,13 +435,24 @@ class RayCluster:
         return RayNode(process, new.pop())
 
     def start_head(self, num_cpus: int, env: dict[str, str] | None = None) -> RayNode:
-        return self._start("head", ["--head", f"--port={self.port}", f"--num-cpus={num_cpus}",
-                                    "--include-dashboard=false", f"--temp-dir={self.temp_dir}"],
-                           env)
+        return self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                f"--num-cpus={num_cpus}",
+                "--include-dashboard=false",
+                f"--temp-dir={self.temp_dir}",
+            ],
+            env,
+        )
 
     def add_worker(self, num_cpus: int, env: dict[str, str] | None = None) -> RayNode:
-        return self._start(f"worker{len(self.processes)}",
-                           [f"--address={self.address}", f"--num-cpus={num_cpus}"], env)
+        return self._start(
+            f"worker{len(self.processes)}",
+            [f"--address={self.address}", f"--num-cpus={num_cpus}"],
+            env,
+        )
 
     def kill(self, node: RayNode) -> None:
         """The node dies at once, as when its machine fails; returns once the cluster has

@@ -110,7 +110,7 @@ def injected_faults(faults_file: Path, faults: dict[str, int | str]) -> Iterator
 # Installed as sitecustomize.py: Python imports it at the start of every process whose path
 # holds it, the driver's and the Ray workers' it starts (they inherit PYTHONPATH), so a
 # driver run as a command draws its trials' noise keys from it too.
-_KNOWN_KEY_SITE = '''
+_KNOWN_KEY_SITE = """
 import importlib.abc, importlib.util, os, sys
 
 KEY = bytes.fromhex({key!r})
@@ -140,7 +140,7 @@ class PatchNoiseKeys(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, PatchNoiseKeys())
-'''
+"""
 
 
 def known_key_environment(folder: Path, key: bytes) -> dict[str, str]:

@@ -28,8 +28,11 @@ def write_pipeline(tmp_path: Path, name: str = "smoke", **overrides: Any) -> Pat
         {**entry, "space": str((REPO / "pipelines" / entry["space"]).resolve())}
         for entry in data["optimizers"]
     ]
-    data.update(name=name, storage_path=str(tmp_path / "runs"),
-                tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    data.update(
+        name=name,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+    )
     data.update(overrides)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -180,8 +180,10 @@ def test_config_and_registry():
     assert group["betas"] == (0.9, 0.99) and group["second_moment_floor"] == 1e-9
     for bad, match in (
         ({"optimizer": "dp-adam", "second_moment_floor": 1e-8}, "does not apply to dp-adam"),
-        ({"optimizer": "dp-adambc", "second_moment_floor": 0.0},
-         r"second_moment_floor must be in \(0, 1e\+06\]"),
+        (
+            {"optimizer": "dp-adambc", "second_moment_floor": 0.0},
+            r"second_moment_floor must be in \(0, 1e\+06\]",
+        ),
         ({"optimizer": "dp-adambc", "curvature_estimator": "pooled"}, "does not apply"),
     ):
         with pytest.raises(DpivonError, match=match):

@@ -310,8 +310,9 @@ def test_report_says_what_privacy_costs_under_shift_against_each_methods_referen
     assert row in markdown and "3 | trails the best |" in markdown
     verdict = [line for line in report.verdict if "least ECE added by privacy" in line]
     assert len(verdict) == 2 and verdict[0].startswith("epsilon 1, under shift (severity 3)")
-    assert "**alpha** (0.014) leads beta (0.031): difference -0.017, 95 % CI [-0.022, -0.012]" in (
-        verdict[0]
+    assert (
+        "**alpha** (0.014) leads beta (0.031): difference -0.017, 95 % CI [-0.022, -0.012]"
+        in (verdict[0])
     )
     assert verdict[0] in markdown and "<strong>alpha</strong> (0.014) leads" in report.html()
 
@@ -549,24 +550,40 @@ def write_benchmark(tmp_path, **overrides) -> str:
         ({"colour": "red"}, "colour: unknown key"),
         ({"shift": "most"}, "shift"),
         (
-            {"methods": [{"name": "x", "optimizer": "dp-sgd", "reference": "adam"},
-                         {"name": "sgd", "optimizer": "sgd"}]},
+            {
+                "methods": [
+                    {"name": "x", "optimizer": "dp-sgd", "reference": "adam"},
+                    {"name": "sgd", "optimizer": "sgd"},
+                ]
+            },
             ": methods.0.reference: 'adam' is not a method of this benchmark; name one of its "
             "non-private methods: sgd",
         ),
         (
-            {"methods": [{"name": "a", "optimizer": "adam", "reference": "b"},
-                         {"name": "b", "optimizer": "adam"}]},
+            {
+                "methods": [
+                    {"name": "a", "optimizer": "adam", "reference": "b"},
+                    {"name": "b", "optimizer": "adam"},
+                ]
+            },
             ": methods.0.reference: 'a' (adam) is not private",
         ),
         (
-            {"methods": [{"name": "a", "optimizer": "dp-adam", "reference": "b"},
-                         {"name": "b", "optimizer": "dp-sgd"}]},
+            {
+                "methods": [
+                    {"name": "a", "optimizer": "dp-adam", "reference": "b"},
+                    {"name": "b", "optimizer": "dp-sgd"},
+                ]
+            },
             ": methods.0.reference: 'b' (dp-sgd) is private; the reference is a non-private",
         ),
         (
-            {"methods": [{"name": "a", "optimizer": "dp-adam", "reference": "b"},
-                         {"name": "b", "optimizer": "adam"}]},
+            {
+                "methods": [
+                    {"name": "a", "optimizer": "dp-adam", "reference": "b"},
+                    {"name": "b", "optimizer": "adam"},
+                ]
+            },
             ": methods.0.reference: a reference measures what privacy costs under shift; set "
             "shift: default",
         ),
@@ -702,7 +719,10 @@ def test_the_time_left_is_the_median_measured_epoch_times_the_epochs_left_per_ru
     assert time_left_s(60, [100.0, 120.0, 500.0], 2) == pytest.approx(60 * 120.0 / 2)
     assert time_left_s(60, [], 2) is None  # nothing measured yet: no guess
     assert [duration_text(s) for s in (20.0, 2400.0, 5399.0, 34_200.0)] == [
-        "1 min", "40 min", "90 min", "9.5 h",
+        "1 min",
+        "40 min",
+        "90 min",
+        "9.5 h",
     ]
 
 
@@ -993,8 +1013,13 @@ def test_a_benchmark_with_shift_logs_the_shift_metrics_and_reports_them(
     for child in children:
         assert {f"test_shift_s{k}_ece" for k in range(6)} <= child.data.metrics.keys()
         # every set's row and what scoring cost, as `dpivon train --shift` logs them
-        record = json.loads(Path(client.download_artifacts(
-            child.info.run_id, "shift.json", str(tmp_path / child.info.run_id))).read_text())
+        record = json.loads(
+            Path(
+                client.download_artifacts(
+                    child.info.run_id, "shift.json", str(tmp_path / child.info.run_id)
+                )
+            ).read_text()
+        )
         assert len(record["sets"]) == 1 + 4 * 5 and record["predict_cpu_s"] > 0
         assert record["shift_s3_ece"] == pytest.approx(child.data.metrics["test_shift_s3_ece"])
     markdown = outcome.report.markdown()

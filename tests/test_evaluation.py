@@ -197,8 +197,9 @@ def test_the_allocator_asked_for_runs_and_keeps_freed_memory_or_not(setting, on_
     env = {k: v for k, v in os.environ.items() if k not in (ALLOCATOR_ENV, "LD_PRELOAD")}
     if setting is not None:
         env[ALLOCATOR_ENV] = setting
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
     loaded, grown_mb = out.stdout.split()
     assert loaded == str(on_jemalloc)
     assert (float(grown_mb) > 300) == kept, grown_mb
@@ -206,8 +207,9 @@ def test_the_allocator_asked_for_runs_and_keeps_freed_memory_or_not(setting, on_
 
 def test_an_unknown_allocator_is_one_line_and_exit_2():
     env = dict(os.environ, **{ALLOCATOR_ENV: "tcmalloc"})
-    out = subprocess.run([sys.executable, "-m", "dpivon.cli", "--help"], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dpivon.cli", "--help"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
         "error: DPIVON_ALLOCATOR must be one of jemalloc, keep-freed, glibc, got 'tcmalloc'"

@@ -55,18 +55,29 @@ def _assert_every_trial_recorded_once(client, trials: int, epochs: int) -> list[
 def test_trials_of_a_killed_worker_node_resume_on_the_other(tmp_path, ray_cluster, spawn):
     head = ray_cluster.start_head(num_cpus=1)
     worker = ray_cluster.add_worker(num_cpus=1)
-    path = write_pipeline(tmp_path, name="node-loss", trials=2, concurrency=2, epochs=3,
-                          scheduler={"type": "none"}, max_failures=2, optimizers=[DP_SGD])
-    driver, log = spawn([*DPIVON, "sweep", path, "--address", ray_cluster.address], "driver",
-                        ray_cluster.env)
+    path = write_pipeline(
+        tmp_path,
+        name="node-loss",
+        trials=2,
+        concurrency=2,
+        epochs=3,
+        scheduler={"type": "none"},
+        max_failures=2,
+        optimizers=[DP_SGD],
+    )
+    driver, log = spawn(
+        [*DPIVON, "sweep", path, "--address", ray_cluster.address], "driver", ray_cluster.env
+    )
     client, _, _ = runs_of(tmp_path, EXPERIMENT)
     on_worker: list[Run] = []
 
     def checkpointed_on_worker() -> bool:
         # its first epoch reported (with a checkpoint) and training the second
-        on_worker[:] = [c for c in _children(client)
-                        if c.data.tags.get("ray.node_id") == worker.node_id
-                        and "val_accuracy" in c.data.metrics]
+        on_worker[:] = [
+            c
+            for c in _children(client)
+            if c.data.tags.get("ray.node_id") == worker.node_id and "val_accuracy" in c.data.metrics
+        ]
         return bool(on_worker)
 
     wait_until(checkpointed_on_worker, 400, "a trial's first epoch on the worker", driver)
@@ -83,29 +94,48 @@ def test_trials_of_a_killed_worker_node_resume_on_the_other(tmp_path, ray_cluste
 OUTAGE_EPOCHS = 4
 
 
-def _outage_sweep(tmp_path, postgres, mlflow_servers, spawn, name: str,
-                  env: dict[str, str] | None = None):
+def _outage_sweep(
+    tmp_path, postgres, mlflow_servers, spawn, name: str, env: dict[str, str] | None = None
+):
     """A one-trial sweep against an MLflow server, and the server once the trial's first
     epoch is in it (its later epochs and its end are still to be written)."""
     server = mlflow_servers(postgres, str(tmp_path / "artifacts"))
-    path = write_pipeline(tmp_path, name=name, trials=1, concurrency=1, epochs=OUTAGE_EPOCHS,
-                          scheduler={"type": "none"}, tracking_uri=None, optimizers=[DP_SGD])
+    path = write_pipeline(
+        tmp_path,
+        name=name,
+        trials=1,
+        concurrency=1,
+        epochs=OUTAGE_EPOCHS,
+        scheduler={"type": "none"},
+        tracking_uri=None,
+        optimizers=[DP_SGD],
+    )
     command = [*DPIVON, "sweep", path, "--tracking-uri", server.uri]
     driver, log = spawn(command, "driver", env)
     client = mlflow.MlflowClient(server.uri)
-    wait_until(lambda: any(_epochs(client, c) for c in _children(client)), 400,
-               "a first epoch in MLflow", driver)
+    wait_until(
+        lambda: any(_epochs(client, c) for c in _children(client)),
+        400,
+        "a first epoch in MLflow",
+        driver,
+    )
     return server, client, command, driver, log
 
 
 @pytest.mark.slow
-def test_results_wait_for_an_mlflow_server_that_comes_back(tmp_path, postgres,
-                                                           mlflow_servers, spawn):
-    server, client, _, driver, log = _outage_sweep(tmp_path, postgres, mlflow_servers, spawn,
-                                                   "outage")
+def test_results_wait_for_an_mlflow_server_that_comes_back(
+    tmp_path, postgres, mlflow_servers, spawn
+):
+    server, client, _, driver, log = _outage_sweep(
+        tmp_path, postgres, mlflow_servers, spawn, "outage"
+    )
     server.stop()
-    wait_until(lambda: "MLflow is unreachable" in log.read_text(), 300,
-               "the driver keeping results while MLflow is down", driver)
+    wait_until(
+        lambda: "MLflow is unreachable" in log.read_text(),
+        300,
+        "the driver keeping results while MLflow is down",
+        driver,
+    )
     server.start()
     wait_until(lambda: _exited(driver), 600, "the sweep after the outage")
     assert driver.returncode == 0, _tail(log)
@@ -115,9 +145,11 @@ def test_results_wait_for_an_mlflow_server_that_comes_back(tmp_path, postgres,
 
 @pytest.mark.slow
 def test_mlflow_down_to_the_end_stops_in_one_line_and_resume_writes_the_rest(
-        tmp_path, postgres, mlflow_servers, spawn):
+    tmp_path, postgres, mlflow_servers, spawn
+):
     server, client, command, driver, log = _outage_sweep(
-        tmp_path, postgres, mlflow_servers, spawn, "blackout", env={"DPIVON_TRACKING_WAIT_S": "5"})
+        tmp_path, postgres, mlflow_servers, spawn, "blackout", env={"DPIVON_TRACKING_WAIT_S": "5"}
+    )
     server.stop()
     wait_until(lambda: _exited(driver), 600, "the sweep without MLflow")
     output = log.read_text()
@@ -141,9 +173,15 @@ def test_a_diverging_trial_is_recorded_and_the_sweep_goes_on(tmp_path, spawn):
     diverging.write_text(
         "optimizer: dp-sgd\nparams:\n  lr: 1.0e6\n  max_grad_norm: 1.0e6\n  batch_size: 64\n"
     )
-    path = write_pipeline(tmp_path, name="diverge", trials=1, concurrency=2, epochs=1,
-                          scheduler={"type": "none"},
-                          optimizers=[{"name": "dp-sgd", "space": str(diverging)}, DP_ADAM])
+    path = write_pipeline(
+        tmp_path,
+        name="diverge",
+        trials=1,
+        concurrency=2,
+        epochs=1,
+        scheduler={"type": "none"},
+        optimizers=[{"name": "dp-sgd", "space": str(diverging)}, DP_ADAM],
+    )
     driver, log = spawn([*DPIVON, "sweep", path], "driver")
     wait_until(lambda: _exited(driver), 600, "the sweep")
     assert driver.returncode == 0, _tail(log)

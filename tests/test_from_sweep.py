@@ -23,8 +23,9 @@ from dpivon.study.spec import load_benchmark
 def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
     smoke = yaml.safe_load(write_pipeline(tmp_path, name="tune").read_text())
     dp_sgd = [entry for entry in smoke["optimizers"] if entry["name"] == "dp-sgd"]
-    path = write_pipeline(tmp_path, name="tune", epochs=1, trials=3, optimizers=dp_sgd,
-                          scheduler={"type": "none"})
+    path = write_pipeline(
+        tmp_path, name="tune", epochs=1, trials=3, optimizers=dp_sgd, scheduler={"type": "none"}
+    )
     spec = {
         "name": "from-tune",
         "data": {"dataset": "synthetic", "synthetic_size": 300},
@@ -35,8 +36,12 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         "methods": [
             # the sweep's folder, moved after the sweep (as one committed or downloaded):
             # its tables name the checkpoints inside it
-            {"name": "dp-sgd-tuned", "optimizer": "dp-sgd",
-             "from_sweep": str(tmp_path / "moved" / "tune"), "pick": "max-accuracy"},
+            {
+                "name": "dp-sgd-tuned",
+                "optimizer": "dp-sgd",
+                "from_sweep": str(tmp_path / "moved" / "tune"),
+                "pick": "max-accuracy",
+            },
             {"name": "dp-sgd-fixed", "optimizer": "dp-sgd", "train": {"lr": 0.5}},
         ],
         "concurrency": 2,
@@ -54,9 +59,15 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
         (tmp_path / "moved").mkdir()
         shutil.move(resolve_sweep(str(path)).path, tmp_path / "moved" / "tune")
         folder = resolve_sweep(str(tmp_path / "moved" / "tune"))
-        ((row, picked),) = export_configs(folder, SweepState.load(folder).objectives,
-                                          "max-accuracy", optimizer="dp-sgd", epsilon=8.0,
-                                          full_data=False, research_mode=False)
+        ((row, picked),) = export_configs(
+            folder,
+            SweepState.load(folder).objectives,
+            "max-accuracy",
+            optimizer="dp-sgd",
+            epsilon=8.0,
+            full_data=False,
+            research_mode=False,
+        )
         benchmark = load_benchmark(spec_path)
         outcome = run_benchmark(benchmark)
     finally:

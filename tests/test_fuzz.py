@@ -734,7 +734,9 @@ def _value_pool(workdir: Path) -> list[str]:
         *("lr=null", "lr=0.5", "optimizer.lr=2", "epochs=null", "x=1", "lr", "="),
         *(str(workdir), str(regular), f"{regular}/under", "/dev/null", str(fifo), "nowhere"),
         *(str(p) for p in (*SHIPPED_PIPELINES, *SHIPPED_BENCHMARKS, *SHIPPED_SPACES[:2])),
-        "sqlite://", "foo://bar", "http://127.0.0.1:1",
+        "sqlite://",
+        "foo://bar",
+        "http://127.0.0.1:1",
     ]
 
 

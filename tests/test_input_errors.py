@@ -292,9 +292,7 @@ def test_a_refusal_comes_first_in_one_line_and_leaves_nothing_behind(tmp_path, c
 
 
 @pytest.mark.parametrize("command", ["train", "sweep", "benchmark"])
-def test_research_mode_is_said_once_on_the_console_of_every_command_that_trains(
-    tmp_path, command
-):
+def test_research_mode_is_said_once_on_the_console_of_every_command_that_trains(tmp_path, command):
     """Nothing a research-mode command releases has a DP guarantee: it says so once, before
     it trains (a sweep or benchmark is then refused for its resources: cheaply); in secure
     mode, the default, it does not."""
@@ -302,8 +300,16 @@ def test_research_mode_is_said_once_on_the_console_of_every_command_that_trains(
     def arguments(research: bool) -> list:
         if command == "train":
             mode = "--research-mode" if research else "--no-research-mode"
-            return [*SYNTHETIC_TRAIN, "--set", "synthetic_size=330", "--set", "val_size=30",
-                    "--batch-size=30", "--bma-samples=0", mode]
+            return [
+                *SYNTHETIC_TRAIN,
+                "--set",
+                "synthetic_size=330",
+                "--set",
+                "val_size=30",
+                "--batch-size=30",
+                "--bma-samples=0",
+                mode,
+            ]
         write = _sweep if command == "sweep" else _benchmark
         return [command, write(tmp_path, research_mode=research, resources={"cpu": 4096})]
 
@@ -409,9 +415,11 @@ def test_a_key_with_a_look_alike_character_says_which_and_what_was_meant(tmp_pat
 def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     """A few lines whose aliases expand to 16 million numbers: the message shows the value
     cut short, without first writing all of it out (that took 5-10 s)."""
-    bomb = "[&a [1,1,1,1,1,1,1,1], " + ", ".join(
-        f"&{b} [{', '.join([f'*{a}'] * 8)}]" for a, b in itertools.pairwise("abcdefgh")
-    ) + "]"
+    bomb = (
+        "[&a [1,1,1,1,1,1,1,1], "
+        + ", ".join(f"&{b} [{', '.join([f'*{a}'] * 8)}]" for a, b in itertools.pairwise("abcdefgh"))
+        + "]"
+    )
     path = tmp_path / "c.yaml"
     for text in (f"lr: {bomb}", f"x: {bomb}"):  # a wrong value, an unknown key
         path.write_text(f"optimizer: dp-sgd\n{text}\n")
@@ -488,15 +496,26 @@ def test_a_config_on_standard_input_is_read_through_a_pipe(tmp_path, monkeypatch
     terminal on standard input is refused in one line instead of a wait for input."""
     store = tmp_path / "store.db"
     piped = "optimizer: dp-sgd\ndataset: synthetic\nsynthetic_size: 200\nepochs: 1\n"
-    args = ["train", "--config", "-", "--batch-size", "64", "--no-log-model",
-            "--json", tmp_path / "out.json", "--tracking-uri", f"sqlite:///{store}"]
+    args = [
+        "train",
+        "--config",
+        "-",
+        "--batch-size",
+        "64",
+        "--no-log-model",
+        "--json",
+        tmp_path / "out.json",
+        "--tracking-uri",
+        f"sqlite:///{store}",
+    ]
     with contextlib.chdir(tmp_path):
         result = CliRunner().invoke(app, [str(a) for a in args], input=piped)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out.json").read_text())["optimizer"] == "dp-sgd"
     with contextlib.chdir(tmp_path):
-        result = CliRunner().invoke(app, ["train", "--config", "/dev/stdin"],
-                                    input="optimizer: dp-sgd\nepsilonn: 3\n")
+        result = CliRunner().invoke(
+            app, ["train", "--config", "/dev/stdin"], input="optimizer: dp-sgd\nepsilonn: 3\n"
+        )
     assert result.exit_code == 2 and "epsilonn: unknown key" in one_line(result)
     monkeypatch.setattr(sys, "stdin", _Terminal())
     with pytest.raises(DpivonError, match="standard input, which is a terminal"):

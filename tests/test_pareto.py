@@ -402,12 +402,15 @@ def test_plot_png(tmp_path, monkeypatch):
         for i, name in enumerate(optimizers):
             done = panel[(panel.optimizer == name) & (panel.status == "completed")]
             values = done[["val_accuracy", "val_ece"]].to_numpy()
-            front = sorted(map(tuple, values[brute_force_front(values, ("max", "min"))]),
-                           key=lambda p: (-p[0], p[1]))
+            front = sorted(
+                map(tuple, values[brute_force_front(values, ("max", "min"))]),
+                key=lambda p: (-p[0], p[1]),
+            )
             steps = [p for a, b in itertools.pairwise(front) for p in (a, (b[0], a[1]))]
             steps += front[-1:]
             np.testing.assert_array_equal(
-                lines[f"C{i}"].get_xydata().reshape(-1, 2), np.array(steps).reshape(-1, 2),
+                lines[f"C{i}"].get_xydata().reshape(-1, 2),
+                np.array(steps).reshape(-1, 2),
                 err_msg=f"front of {name}",
             )
             fronts += len(front) > 0

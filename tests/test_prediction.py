@@ -66,7 +66,6 @@ def test_read_images_reads_files_folders_and_batches(tmp_path):
         read_images([tmp_path / "missing.jpg"])
 
 
-
 def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped_to_white(tmp_path):
     from PIL import Image
 
@@ -77,6 +76,7 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped_to_white(tmp_path):
     assert images.shape == (1, 32, 32, 3) and images.dtype == np.uint8
     assert all(np.array_equal(images[0, :, :, c], expected) for c in range(3))
     assert (images == 255).mean() < 0.01  # clipping would make nearly every pixel white
+
 
 def test_read_images_names_an_npz_archive_and_a_file_that_is_no_image(tmp_path):
     np.savez(tmp_path / "arrays.npz", images=PIXELS)

@@ -312,9 +312,7 @@ def test_noised_validation_scores_are_the_exact_scores_plus_calibrated_noise():
 
     # one bin of 10,000 records, half correct: accuracy ~ 0.5 + (e_correct - e_count / 2) / N
     sums = np.array([[10_000.0], [5_000.0], [6_000.0]])
-    accuracies = [
-        private_validation_scores(sums, 1.0, randomness)["accuracy"] for _ in range(2000)
-    ]
+    accuracies = [private_validation_scores(sums, 1.0, randomness)["accuracy"] for _ in range(2000)]
     expected_std = 1.0 * VALIDATION_SCORE_SENSITIVITY * math.sqrt(1 + 0.5**2) / 10_000
     assert np.std(accuracies) == pytest.approx(expected_std, rel=0.1)
     assert np.mean(accuracies) == pytest.approx(0.5, abs=4 * expected_std / math.sqrt(2000))

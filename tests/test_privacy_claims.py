@@ -314,8 +314,15 @@ def test_a_fixed_noise_multiplier_runs_as_given_and_must_fit_its_budget():
         )
     # the same check before any data is loaded, from the config alone
     config = TrainConfig.model_validate(
-        {"optimizer": "dp-sgd", "epsilon": 2.0, "fixed_noise_multiplier": 1.54,
-         "batch_size": 1024, "epochs": 30, "steps_per_epoch": 48, "val_size": 1}
+        {
+            "optimizer": "dp-sgd",
+            "epsilon": 2.0,
+            "fixed_noise_multiplier": 1.54,
+            "batch_size": 1024,
+            "epochs": 30,
+            "steps_per_epoch": 48,
+            "val_size": 1,
+        }
     )
     with pytest.raises(DpivonError, match="above the budget"):
         check_plan_reachable(config)

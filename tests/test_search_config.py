@@ -652,7 +652,8 @@ BAD_PIPELINES = {
     "trial-count": (_set("trial_count", "binomial"), "trial_count: must be one of"),
     "asha-one-epoch": (_set("epochs", 1), "asha needs trials of epochs >= 2"),
     "asha-grace": (
-        _set("scheduler.grace_period", 3), "grace_period (3) must be below the trials' epochs (3)"
+        _set("scheduler.grace_period", 3),
+        "grace_period (3) must be below the trials' epochs (3)",
     ),
     "asha-reduction": (
         _set("scheduler.reduction_factor", 1),
@@ -848,8 +849,10 @@ def test_a_tuning_sweeps_gpu_version_runs_the_trials_of_its_cpu_sweeps(gpu_file)
 
 
 # A study's GPU version (pipelines/ keeps one per study for a cluster) and the study itself.
-GPU_TWINS = {"compare-eps3-gpu.yaml": "compare-eps3.yaml",
-             "compare-eps3-tan-gpu.yaml": "compare-eps3-tan.yaml"}
+GPU_TWINS = {
+    "compare-eps3-gpu.yaml": "compare-eps3.yaml",
+    "compare-eps3-tan-gpu.yaml": "compare-eps3-tan.yaml",
+}
 
 
 @pytest.mark.parametrize("gpu_file", sorted(GPU_TWINS))
@@ -905,16 +908,18 @@ def test_start_points_run_first_then_tpe_after_a_third_of_the_budget(tmp_path):
     assert (third["lr"], third["max_grad_norm"]) != (1.0, 0.1)  # then the sampler draws
     # the start points are tried before any random draw: not the random-trials bound's
     # identical draws
-    assert "start points are tried first" in " ".join(
-        pipeline.conditions.random_trials_obstacles()
-    )
+    assert "start points are tried first" in " ".join(pipeline.conditions.random_trials_obstacles())
 
 
 def test_a_budget_left_in_the_random_phase_says_so(tmp_path):
     _write(tmp_path / "pipes/spaces/dp-sgd.yaml", START_SPACE)
     _write(tmp_path / "pipes/spaces/dp-adam.yaml", ADAM_SPACE)
-    for trials, sampler, said in ((2, "tpe", True), (3, "tpe", False), (16, "nsga2", True),
-                                  (4, "random", False)):
+    for trials, sampler, said in (
+        (2, "tpe", True),
+        (3, "tpe", False),
+        (16, "nsga2", True),
+        (4, "random", False),
+    ):
         data = {**_pipeline_dict(), "trials": trials, "sampler": sampler}
         pipeline = load_pipeline(_write(tmp_path / "pipes/p.yaml", yaml.safe_dump(data)))
         note = pipeline.random_phase_note()
@@ -928,10 +933,14 @@ def test_a_budget_left_in_the_random_phase_says_so(tmp_path):
     [
         ("[{lr: 9.0, max_grad_norm: 0.1, use_nesterov: false}]", "start.0.lr: 9.0 is outside"),
         ("[{lr: 1.0, use_nesterov: false}]", "gives no value for the active max_grad_norm"),
-        ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, nesterov: true}]",
-         "sets nesterov, inactive at this point"),
-        ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, momentum: 0.5}]",
-         "'momentum' is a fixed value"),
+        (
+            "[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, nesterov: true}]",
+            "sets nesterov, inactive at this point",
+        ),
+        (
+            "[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: false, momentum: 0.5}]",
+            "'momentum' is a fixed value",
+        ),
         ("[{lr: 1.0, max_grad_norm: 0.1, use_nesterov: 1}]", "use_nesterov: 1 is outside"),
     ],
 )
@@ -981,7 +990,9 @@ def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_g
     assert trial.privacy.epsilon == spent and spent > 8.0 * 2
     (mechanism,) = pipeline.candidate_mechanisms("dp-sgd", spent)
     assert (mechanism.noise_multiplier, mechanism.sample_rate, mechanism.steps) == (
-        plan.noise_multiplier, plan.sample_rate, plan.steps
+        plan.noise_multiplier,
+        plan.sample_rate,
+        plan.steps,
     )
     # the export turns a trial back into the run it stood for: the target's batch and budget
     final = target_config(trial.replace(lr=0.7), 4, 8.0)
@@ -1010,8 +1021,10 @@ def test_a_noise_faithful_trial_holds_the_targets_steps_and_noise_per_averaged_g
         ({"train": {"batch_size": 130}}, "batch_divisor 4 must divide train.batch_size 130"),
         ({"train": {"bma_samples": 2}}, "set train.batch_size"),
         ({"noise_faithful": {"batch_divisor": 1}}, "batch_divisor"),
-        ({"noise_faithful": {"batch_divisor": 4, "trial_epochs": 2}},
-         "trial_epochs 2 must divide epochs 3"),
+        (
+            {"noise_faithful": {"batch_divisor": 4, "trial_epochs": 2}},
+            "trial_epochs 2 must divide epochs 3",
+        ),
     ],
 )
 def test_a_bad_noise_faithful_pipeline_is_one_clear_error(tmp_path, changes, message):

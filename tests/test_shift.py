@@ -356,9 +356,7 @@ def test_a_sweep_may_choose_ece_at_a_severity_as_an_objective(tmp_path):
     with pytest.raises(DpivonError, match="shift_severity"):
         load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, shift_severity=6))
     with pytest.raises(DpivonError, match="objective val_shift_ece would be exact"):
-        load_pipeline(
-            write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, validation_noise=1.0)
-        )
+        load_pipeline(write_pipeline(tmp_path, objectives=SHIFT_OBJECTIVES, validation_noise=1.0))
 
 
 def test_training_reports_the_shift_objectives_every_epoch(tmp_path, monkeypatch):

@@ -113,8 +113,13 @@ def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
     # a lower-is-better objective is turned around before ranking: ECE 0.1 is the best
     ece = scores("val_ece", [0.1, 0.2, 0.3, 0.4])
     records_ece = [
-        RunRecord(r.method, r.optimizer, r.epsilon, r.replicate,
-                  {**r.metrics, "test_ece": 1 - r.metrics["test_accuracy"]})
+        RunRecord(
+            r.method,
+            r.optimizer,
+            r.epsilon,
+            r.replicate,
+            {**r.metrics, "test_ece": 1 - r.metrics["test_accuracy"]},
+        )
         for r in records
     ]
     (check,) = transfer_checks(records_frame(records_ece), ece)
@@ -206,6 +211,7 @@ def test_spearmans_p_value_is_the_exact_permutation_one_at_a_handful_of_picks():
         sum(
             abs(stats.spearmanr([5, 4, 3, 2, 1], order).statistic) >= 0.9 - 1e-12
             for order in itertools.permutations([5, 3, 4, 2, 1])
-        ) / 120
+        )
+        / 120
     )
     assert agreement.spearman_p > stats.spearmanr([5, 4, 3, 2, 1], [5, 3, 4, 2, 1]).pvalue

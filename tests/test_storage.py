@@ -90,10 +90,22 @@ def test_storage_errors_are_one_line(tmp_path, s3):
 
 def _trained_checkpoint(storage: ResultsStorage, trial: str, lr: float, tmp_path):
     """A real (one-epoch, synthetic) trial's final checkpoint, uploaded as Tune leaves it."""
-    config = parse_config({"dataset": "synthetic", "synthetic_size": 400, "val_size": 40,
-                           "model": "small-cnn", "optimizer": "dp-sgd", "epsilon": 8.0,
-                           "delta": 1e-5, "epochs": 1, "batch_size": 64, "lr": lr,
-                           "bma_samples": 2, "seed": len(trial)})
+    config = parse_config(
+        {
+            "dataset": "synthetic",
+            "synthetic_size": 400,
+            "val_size": 40,
+            "model": "small-cnn",
+            "optimizer": "dp-sgd",
+            "epsilon": 8.0,
+            "delta": 1e-5,
+            "epochs": 1,
+            "batch_size": 64,
+            "lr": lr,
+            "bma_samples": 2,
+            "seed": len(trial),
+        }
+    )
     result = train(config, evaluate_test=False)
     local = tmp_path / f"{trial}.pt"
     save_model_file(local, config, result.model, result.posterior)
@@ -112,13 +124,23 @@ def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
     for trial, lr in (("t0", 0.5), ("t1", 2.0)):
         config, result, checkpoint = _trained_checkpoint(storage, trial, lr, tmp_path)
         summary = result.summary()
-        mechanisms.append(TrialMechanism(summary["noise_multiplier"], summary["sample_rate"],
-                                         summary["steps"]))
+        mechanisms.append(
+            TrialMechanism(summary["noise_multiplier"], summary["sample_rate"], summary["steps"])
+        )
         configs[trial] = config
-        rows.append({"trial_id": trial, "run_id": f"run-{trial}", "group": "eps8-dp-sgd",
-                     "optimizer": "dp-sgd", "epsilon": 8.0, "status": "completed",
-                     "checkpoint": checkpoint, "val_accuracy": 0.5 + len(rows) / 10,
-                     "val_ece": 0.1 + len(rows) / 10})  # both on the front
+        rows.append(
+            {
+                "trial_id": trial,
+                "run_id": f"run-{trial}",
+                "group": "eps8-dp-sgd",
+                "optimizer": "dp-sgd",
+                "epsilon": 8.0,
+                "status": "completed",
+                "checkpoint": checkpoint,
+                "val_accuracy": 0.5 + len(rows) / 10,
+                "val_ece": 0.1 + len(rows) / 10,
+            }
+        )  # both on the front
     conditions = SweepConditions("fixed", 2.0, adaptive_sampler=True, adaptive_scheduler=False)
     report = tuning_privacy_report(mechanisms, 1e-5, conditions)
     SweepState("remote", "", "", "", "", objectives).save(storage)
@@ -128,13 +150,24 @@ def test_export_reads_a_sweep_stored_in_s3(tmp_path, s3):
     assert not list(tmp_path.rglob("*.pt"))
 
     pipeline = tmp_path / "remote.yaml"  # a pipeline naming the same storage finds it too
-    pipeline.write_text(yaml.safe_dump({
-        "name": "remote", "epsilons": [8], "trials": 2, "storage_path": f"s3://{s3.bucket}/runs",
-        "data": {"dataset": "synthetic", "synthetic_size": 400, "val_size": 40},
-        "model": "small-cnn", "epochs": 1, "train": {"bma_samples": 2},
-        "optimizers": [{"name": "dp-sgd", "space": str(tmp_path / "space.yaml")}]}))
+    pipeline.write_text(
+        yaml.safe_dump(
+            {
+                "name": "remote",
+                "epsilons": [8],
+                "trials": 2,
+                "storage_path": f"s3://{s3.bucket}/runs",
+                "data": {"dataset": "synthetic", "synthetic_size": 400, "val_size": 40},
+                "model": "small-cnn",
+                "epochs": 1,
+                "train": {"bma_samples": 2},
+                "optimizers": [{"name": "dp-sgd", "space": str(tmp_path / "space.yaml")}],
+            }
+        )
+    )
     (tmp_path / "space.yaml").write_text(
-        "optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 5.0, log: true}\n")
+        "optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 5.0, log: true}\n"
+    )
     for reference in (storage.uri, str(pipeline)):
         found = resolve_sweep(reference)
         assert found.uri == storage.uri
@@ -173,8 +206,18 @@ def test_trial_ids_of_digits_only_read_back_as_text(tmp_path):
     """Tune's trial ids can be all digits: read as numbers, "06927759" would lose its zero
     and name no trial (the exported config's provenance, `tuned_by`)."""
     storage = ResultsStorage(str(tmp_path), "digits")
-    rows = pd.DataFrame([{"trial_id": "06927759", "run_id": "0123", "group": "eps8-dp-sgd",
-                          "optimizer": "dp-sgd", "epsilon": 8.0, "checkpoint": "trials/t"}])
+    rows = pd.DataFrame(
+        [
+            {
+                "trial_id": "06927759",
+                "run_id": "0123",
+                "group": "eps8-dp-sgd",
+                "optimizer": "dp-sgd",
+                "epsilon": 8.0,
+                "checkpoint": "trials/t",
+            }
+        ]
+    )
     for name in (TRIALS_FILE, FRONT_FILE):
         storage.write_text(name, rows.to_csv(index=False))
     for table in load_results(storage):

@@ -49,8 +49,12 @@ runner = CliRunner()
 def local_ray(tmp_path_factory):
     """A local Ray whose trial workers can be told to fail (yields the faults file)."""
     faults = tmp_path_factory.mktemp("faults") / "faults.json"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env=trial_faults_runtime_env(faults))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=trial_faults_runtime_env(faults),
+    )
     yield faults
     ray.shutdown()
 
@@ -252,8 +256,11 @@ def test_export_then_train_runs_the_trial_config(finished_sweep, tmp_path):
 def _released_text(client, parent, folder) -> str:
     """Everything a release: best sweep publishes beside its model: the parent run's params,
     tags (description included), metric names, its logged files."""
-    parts = [json.dumps(parent.data.params), json.dumps(parent.data.tags),
-             json.dumps(sorted(parent.data.metrics))]
+    parts = [
+        json.dumps(parent.data.params),
+        json.dumps(parent.data.tags),
+        json.dumps(sorted(parent.data.metrics)),
+    ]
     for name in ("tuning_privacy.json", "trials.csv", "pareto_front.csv"):
         parts.append((folder / name).read_text())
         assert name in {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -266,8 +273,9 @@ def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
     --epsilon` and `train --config` agree on; K is in no released artefact; one model is
     released; a knee pick quotes the composition, in one line."""
     space = tmp_path / "dp-sgd.yaml"  # one batch size: one candidate mechanism, a fast solve
-    space.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.5, high: 4.0}\n"
-                     "  batch_size: 64\n")
+    space.write_text(
+        "optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.5, high: 4.0}\n  batch_size: 64\n"
+    )
     pipeline = load_pipeline(write_pipeline(
         tmp_path, name="budget", epsilons=None, total_epsilon=8, sampler="random",
         trial_count="geometric", trials=2, release="best", best_by="val_accuracy", epochs=1,
@@ -323,8 +331,17 @@ def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
     tuning = load_configs(knee)[0].privacy.tuning
     assert tuning.quoted_epsilon == private["composition_epsilon"]
     assert tuning.quote.startswith("composition_epsilon")
-    result = runner.invoke(app, ["train", "--config", str(exported), "--no-log-model",
-                                 "--tracking-uri", f"sqlite:///{tmp_path}/prod.db"])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--config",
+            str(exported),
+            "--no-log-model",
+            "--tracking-uri",
+            f"sqlite:///{tmp_path}/prod.db",
+        ],
+    )
     assert result.exit_code == 0, result.output
     prod = mlflow.MlflowClient(f"sqlite:///{tmp_path}/prod.db")
     (run,) = prod.search_runs([prod.get_experiment_by_name("dpivon").experiment_id])
@@ -451,8 +468,15 @@ def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
     dp_sgd = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
     pipeline = load_pipeline(
         write_pipeline(
-            tmp_path, name="groups", epsilons=[2, 4, 8], optimizers=[dp_sgd], trials=2, epochs=1,
-            trial_count="geometric", concurrency=3, resources={"cpu": 0.5},
+            tmp_path,
+            name="groups",
+            epsilons=[2, 4, 8],
+            optimizers=[dp_sgd],
+            trials=2,
+            epochs=1,
+            trial_count="geometric",
+            concurrency=3,
+            resources={"cpu": 0.5},
             scheduler={"type": "none"},
         )
     )
@@ -464,9 +488,9 @@ def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
     assert parent.info.status == "FINISHED"
     assert Counter(c.data.tags["dpivon.group"] for c in children) == expected
     spans = [(c.data.tags["dpivon.group"], c.info.start_time, c.info.end_time) for c in children]
-    assert any(
-        g1 != g2 and s1 < e2 and s2 < e1 for g1, s1, e1 in spans for g2, s2, e2 in spans
-    ), f"no two groups overlapped: {spans}"
+    assert any(g1 != g2 and s1 < e2 and s2 < e1 for g1, s1, e1 in spans for g2, s2, e2 in spans), (
+        f"no two groups overlapped: {spans}"
+    )
     # Every group's Optuna study saw its own trials, and only those.
     searcher = GroupSearcher({}, {}, dict)  # restore_from_dir brings its own reader
     searcher.restore_from_dir(str(sweep_folder(pipeline) / TUNE_EXPERIMENT))
@@ -480,12 +504,20 @@ def test_all_groups_are_in_flight_together_each_with_its_own_study(tmp_path):
 
 def test_asha_compares_a_trial_with_its_own_group_only():
     def asha():
-        return ASHAScheduler(metric="val_accuracy", mode="max", time_attr="training_iteration",
-                             max_t=4, grace_period=1, reduction_factor=2)
+        return ASHAScheduler(
+            metric="val_accuracy",
+            mode="max",
+            time_attr="training_iteration",
+            max_t=4,
+            grace_period=1,
+            reduction_factor=2,
+        )
 
     scheduler = GroupScheduler({"a": asha(), "b": asha()})
-    trials = {name: Trial("t", config={GROUP_KEY: name[0]}, stub=True, trial_id=name)
-              for name in ("a1", "b1", "b2")}
+    trials = {
+        name: Trial("t", config={GROUP_KEY: name[0]}, stub=True, trial_id=name)
+        for name in ("a1", "b1", "b2")
+    }
     for trial in trials.values():
         scheduler.on_trial_add(None, trial)
 
@@ -505,9 +537,7 @@ def test_asha_compares_a_trial_with_its_own_group_only():
     # a cluster (here this module's Ray of 2 CPUs): its nodes, once joined
     ("auto", {"cpu": 3, "gpu": 0}, "more than any node of the Ray cluster has (nodes: 2 CPU"),
 ])  # fmt: skip
-def test_a_trial_no_node_can_host_is_one_line_before_any_run(
-    tmp_path, address, resources, message
-):
+def test_a_trial_no_node_can_host_is_one_line_before_any_run(tmp_path, address, resources, message):
     path = write_pipeline(tmp_path, name="big", resources=resources)
     address_option = ["--address", address] if address else []
     result = runner.invoke(app, ["sweep", str(path), *address_option])
@@ -628,9 +658,14 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     space = tmp_path / "dp-sgd.yaml"
     space.write_text("optimizer: dp-sgd\nparams:\n  lr: {type: float, low: 0.1, high: 2.0}\n")
     path = write_pipeline(
-        tmp_path, name="tan", epochs=2, trials=2, scheduler={"type": "none"},
+        tmp_path,
+        name="tan",
+        epochs=2,
+        trials=2,
+        scheduler={"type": "none"},
         optimizers=[{"name": "dp-sgd", "space": str(space)}],
-        train={"batch_size": 64, "bma_samples": 2}, noise_faithful={"batch_divisor": 2},
+        train={"batch_size": 64, "bma_samples": 2},
+        noise_faithful={"batch_divisor": 2},
     )
     pipeline = load_pipeline(path)
     run_sweep(pipeline)
@@ -654,8 +689,9 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     assert "noise-faithful tuning" in parent.data.tags["mlflow.note.content"]
     # the export is the run the trials stood for: batch 64, the budget's calibrated sigma
     storage = resolve_sweep(str(path))
-    ((_, config),) = export_configs(storage, pipeline.objective_pairs, "max-accuracy",
-                                    full_data=False)
+    ((_, config),) = export_configs(
+        storage, pipeline.objective_pairs, "max-accuracy", full_data=False
+    )
     assert config.training.batch_size == 64 and config.privacy.epsilon == 8.0
     assert config.privacy.fixed_noise_multiplier is None
     assert config.training.steps_per_epoch is None

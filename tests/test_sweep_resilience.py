@@ -57,13 +57,19 @@ DP_SGD = {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd
 def _sweep_process(pipeline_path, *flags: str, env: dict | None = None) -> subprocess.Popen:
     # A new session: SIGKILL then reaches the driver and the local Ray it started, as when
     # the driver's machine dies.
-    return subprocess.Popen([*DPIVON, "sweep", str(pipeline_path), *flags], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True, env=env)
+    return subprocess.Popen(
+        [*DPIVON, "sweep", str(pipeline_path), *flags],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
 
 
-def _wait_until(driver: subprocess.Popen, reached: Callable[[], bool], what: str,
-                poll_s: float = 0.5) -> None:
+def _wait_until(
+    driver: subprocess.Popen, reached: Callable[[], bool], what: str, poll_s: float = 0.5
+) -> None:
     deadline = time.time() + 400
     while time.time() < deadline:
         time.sleep(poll_s)
@@ -81,13 +87,17 @@ def _kill_then_resume(tmp_path, killed_when: Callable[[list], bool], what: str) 
     path = write_pipeline(tmp_path, name="killed", concurrency=1, scheduler={"type": "none"})
     pipeline = load_pipeline(path)
     driver = _sweep_process(path)
-    _wait_until(driver, lambda: killed_when(runs_of(tmp_path, pipeline.experiment)[2]), what,
-                poll_s=0.05)
+    _wait_until(
+        driver, lambda: killed_when(runs_of(tmp_path, pipeline.experiment)[2]), what, poll_s=0.05
+    )
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     _, _, before = runs_of(tmp_path, pipeline.experiment)
-    finished_before = {c.info.run_id: (c.info.start_time, c.data.tags) for c in before
-                       if c.info.status == "FINISHED"}
+    finished_before = {
+        c.info.run_id: (c.info.start_time, c.data.tags)
+        for c in before
+        if c.info.status == "FINISHED"
+    }
     open_before = {c.info.run_id for c in before if c.info.status == "RUNNING"}
     assert finished_before, "no trial had finished before the kill"
 
@@ -122,8 +132,7 @@ def test_resume_after_sigkill_runs_no_finished_trial_again(tmp_path):
             c.info.status == "RUNNING" and "val_accuracy" in c.data.metrics for c in children
         )
 
-    _kill_then_resume(tmp_path, one_finished_and_one_under_way,
-                      "a finished and a running trial")
+    _kill_then_resume(tmp_path, one_finished_and_one_under_way, "a finished and a running trial")
 
 
 @pytest.mark.slow
@@ -132,9 +141,11 @@ def test_resume_after_sigkill_as_a_trial_ended_does_not_train_it_again(tmp_path)
     # moment behind MLflow) mostly still has the trial running, with its final checkpoint
     # (a model, no resume state): the resume must repeat its recorded outcome instead of
     # training it again from there, or failing to.
-    _kill_then_resume(tmp_path, lambda children: any(c.info.status == "FINISHED"
-                                                     for c in children),
-                      "a finished trial")
+    _kill_then_resume(
+        tmp_path,
+        lambda children: any(c.info.status == "FINISHED" for c in children),
+        "a finished trial",
+    )
 
 
 def _record_trials(tracker: Tracker, parent: str, ended: dict[str, tuple]) -> None:
@@ -153,17 +164,24 @@ def _record_trials(tracker: Tracker, parent: str, ended: dict[str, tuple]) -> No
 def test_a_resume_repeats_only_outcomes_mlflow_holds_and_writes_nothing_over_them(tmp_path):
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "resume-record")
     parent = tracker.start_run("sweep")
-    _record_trials(tracker, parent, {
-        "done": ("FINISHED", "completed", {"val_accuracy": 0.5, COMPLETE: 1}),
-        "nan": ("FAILED", "diverged", {"val_accuracy": math.nan, DIVERGED: 1}),
-        "error": ("FAILED", "failed", {}),
-        "lost-driver": ("FAILED", "running", {"val_accuracy": 0.2}),  # closed, no outcome
-        "stopped": ("KILLED", "running", {"val_accuracy": 0.3}),  # Ctrl-C: resumes
-        "open": ("RUNNING", "running", {"val_accuracy": 0.4}),
-    })
+    _record_trials(
+        tracker,
+        parent,
+        {
+            "done": ("FINISHED", "completed", {"val_accuracy": 0.5, COMPLETE: 1}),
+            "nan": ("FAILED", "diverged", {"val_accuracy": math.nan, DIVERGED: 1}),
+            "error": ("FAILED", "failed", {}),
+            "lost-driver": ("FAILED", "running", {"val_accuracy": 0.2}),  # closed, no outcome
+            "stopped": ("KILLED", "running", {"val_accuracy": 0.3}),  # Ctrl-C: resumes
+            "open": ("RUNNING", "running", {"val_accuracy": 0.4}),
+        },
+    )
     recorded = recorded_outcomes(tracker, parent)
-    assert {k: o.failed for k, o in recorded.items()} == {"done": False, "nan": False,
-                                                          "error": True}
+    assert {k: o.failed for k, o in recorded.items()} == {
+        "done": False,
+        "nan": False,
+        "error": True,
+    }
     assert recorded["done"].result == {"val_accuracy": 0.5, COMPLETE: 1}
     assert recorded["nan"].result[DIVERGED_ERROR] == "nan at epoch 2"  # for the progress line
     with pytest.raises(TrialAlreadyFailed):
@@ -181,7 +199,10 @@ def test_a_resume_repeats_only_outcomes_mlflow_holds_and_writes_nothing_over_the
     after = tracker.child_runs_by_tag(parent, TRIAL_TAG)
     done, stopped = after["done"], after["stopped"]
     assert (done.info.status, done.data.metrics, done.data.tags) == (
-        runs["done"].info.status, runs["done"].data.metrics, runs["done"].data.tags)
+        runs["done"].info.status,
+        runs["done"].data.metrics,
+        runs["done"].data.tags,
+    )
     assert stopped.info.status == "FINISHED"
     assert [m.step for m in tracker.metric_history(stopped.info.run_id, "val_accuracy")] == [2, 3]
 
@@ -195,16 +216,18 @@ def test_an_epoch_is_logged_once_tune_registers_its_checkpoint(tmp_path):
     logger = MlflowTrialLogger(tracker.tracking_uri, "node-loss", parent, "g", {}, storage)
 
     def report(trial: Trial, epoch: int, accuracy: float) -> None:
-        logger.on_trial_result(0, [], trial, {"val_accuracy": accuracy, "epoch": epoch,
-                                              SHOULD_CHECKPOINT: True})
+        logger.on_trial_result(
+            0, [], trial, {"val_accuracy": accuracy, "epoch": epoch, SHOULD_CHECKPOINT: True}
+        )
 
     def logged(trial_id: str) -> list[tuple[int, float]]:
         run = tracker.child_runs_by_tag(parent, TRIAL_TAG)[trial_id]
-        return [(m.step, m.value) for m in tracker.metric_history(run.info.run_id,
-                                                                  "val_accuracy")]
+        return [(m.step, m.value) for m in tracker.metric_history(run.info.run_id, "val_accuracy")]
 
-    moved, failed = Trial("t", stub=True, trial_id="moved"), Trial("t", stub=True,
-                                                                    trial_id="failed")
+    moved, failed = (
+        Trial("t", stub=True, trial_id="moved"),
+        Trial("t", stub=True, trial_id="failed"),
+    )
     for trial in (moved, failed):
         logger.on_trial_start(0, [], trial)
         report(trial, 1, 0.1)
@@ -245,8 +268,7 @@ class _FlakyTrialReader:
 
 def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tmp_path):
     def study() -> OptunaSearch:
-        return OptunaSearch(space={"lr": tune.uniform(0.1, 1.0)}, metric="val_accuracy",
-                            mode="max")
+        return OptunaSearch(space={"lr": tune.uniform(0.1, 1.0)}, metric="val_accuracy", mode="max")
 
     # MLflow has "t1" and "t2"; the driver was lost before Tune saved "t2".
     in_mlflow = _FlakyTrialReader({"g": {"t1", "t2"}, "other": {"x"}})
@@ -270,9 +292,14 @@ def test_a_restored_searcher_counts_the_trials_mlflow_has_and_its_state_lacks(tm
 def _files_holding(key: bytes, *folders: Path) -> list[Path]:
     """Every file under ``folders`` that holds ``key`` as bytes, hex or a list of ints."""
     forms = (key, key.hex().encode(), str(list(key)).encode())
-    return [file for folder in folders for file in folder.rglob("*")
-            if file.is_file() and not file.is_symlink()
-            and any(form in file.read_bytes() for form in forms)]
+    return [
+        file
+        for folder in folders
+        for file in folder.rglob("*")
+        if file.is_file()
+        and not file.is_symlink()
+        and any(form in file.read_bytes() for form in forms)
+    ]
 
 
 @pytest.mark.slow
@@ -284,14 +311,19 @@ def test_sigint_and_sigterm_stop_cleanly_and_resume_finishes_the_trial(tmp_path)
     key = os.urandom(32)
     ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # Ray's socket paths are short
     env = {**known_key_environment(tmp_path / "site", key), "RAY_TMPDIR": str(ray_tmp)}
-    path = write_pipeline(tmp_path, name="stopped", trials=1, epochs=5, optimizers=[DP_SGD],
-                          scheduler={"type": "none"})
+    path = write_pipeline(
+        tmp_path,
+        name="stopped",
+        trials=1,
+        epochs=5,
+        optimizers=[DP_SGD],
+        scheduler={"type": "none"},
+    )
     pipeline = load_pipeline(path)
 
     def epochs_logged() -> int:
         client, _, children = runs_of(tmp_path, pipeline.experiment)
-        return sum(len(client.get_metric_history(c.info.run_id, "val_accuracy"))
-                   for c in children)
+        return sum(len(client.get_metric_history(c.info.run_id, "val_accuracy")) for c in children)
 
     # Ctrl-C (the terminal signals the whole process group) after an epoch, then SIGTERM to
     # the resumed driver alone (as `kill` or a container stop) after it logged one more. The
@@ -336,8 +368,14 @@ def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     try:
-        path = write_pipeline(tmp_path, name="cluster", trials=2, concurrency=2,
-                              scheduler={"type": "none"}, optimizers=[DP_SGD])
+        path = write_pipeline(
+            tmp_path,
+            name="cluster",
+            trials=2,
+            concurrency=2,
+            scheduler={"type": "none"},
+            optimizers=[DP_SGD],
+        )
         pipeline = load_pipeline(path)
         run_sweep(pipeline, address=cluster.address)
     finally:
@@ -353,10 +391,16 @@ def test_trials_run_on_both_nodes_of_a_two_node_cluster(tmp_path):
     [
         ("name: x\nepsilons: [8\n", "not valid YAML"),
         ("name: x\nepsilons: [8]\ntrials: 2\noptimizers: []\nbogus: 1\n", "bogus"),
-        ("name: x\nepsilons: [0]\ntrials: 2\n"
-         "optimizers: [{name: dp-sgd, space: nowhere.yaml}]\n", "epsilon"),
-        ("name: x\nepsilons: [8]\ntrials: 2\n"
-         "optimizers: [{name: dp-sgd, space: nowhere.yaml}]\n", "nowhere.yaml"),
+        (
+            "name: x\nepsilons: [0]\ntrials: 2\n"
+            "optimizers: [{name: dp-sgd, space: nowhere.yaml}]\n",
+            "epsilon",
+        ),
+        (
+            "name: x\nepsilons: [8]\ntrials: 2\n"
+            "optimizers: [{name: dp-sgd, space: nowhere.yaml}]\n",
+            "nowhere.yaml",
+        ),
     ],
 )
 def test_bad_pipeline_gives_one_clear_line(tmp_path, content, message):

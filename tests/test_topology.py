@@ -21,22 +21,41 @@ DP_SGD = str(REPO / "search_spaces/quickstart/dp-sgd.yaml")
 
 
 @pytest.mark.slow
-def test_sweep_on_a_cluster_with_a_tracking_server(tmp_path, s3, postgres, mlflow_servers,
-                                                   ray_cluster):
+def test_sweep_on_a_cluster_with_a_tracking_server(
+    tmp_path, s3, postgres, mlflow_servers, ray_cluster
+):
     server = mlflow_servers(postgres, f"s3://{s3.bucket}/mlflow", env=s3.env)
     # the nodes get what the docker/ images get: the S3 endpoint and credentials
     head = ray_cluster.start_head(num_cpus=1, env=s3.env)
     worker = ray_cluster.add_worker(num_cpus=1, env=s3.env)
     storage_path = f"s3://{s3.bucket}/runs"  # no folder the nodes share: S3 only
-    path = write_pipeline(tmp_path, name="topology", trials=2, concurrency=2, epochs=2,
-                          scheduler={"type": "none"}, tracking_uri=None,
-                          storage_path=storage_path,
-                          optimizers=[{"name": "dp-sgd", "space": DP_SGD}])
+    path = write_pipeline(
+        tmp_path,
+        name="topology",
+        trials=2,
+        concurrency=2,
+        epochs=2,
+        scheduler={"type": "none"},
+        tracking_uri=None,
+        storage_path=storage_path,
+        optimizers=[{"name": "dp-sgd", "space": DP_SGD}],
+    )
     env = {**os.environ, **ray_cluster.env, **s3.env}
     sweep = subprocess.run(
-        [*DPIVON, "sweep", str(path), "--address", ray_cluster.address,
-         "--tracking-uri", server.uri],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+        [
+            *DPIVON,
+            "sweep",
+            str(path),
+            "--address",
+            ray_cluster.address,
+            "--tracking-uri",
+            server.uri,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
     )
     assert sweep.returncode == 0, sweep.stderr[-3000:]
 
@@ -64,20 +83,26 @@ def test_sweep_on_a_cluster_with_a_tracking_server(tmp_path, s3, postgres, mlflo
     models = client.search_logged_models(experiment_ids=[experiment.experiment_id])
     by_run = {m.source_run_id: m.model_id for m in models}
     for child in front:  # MLflow 3 keeps a run's logged model under models/<model id>/
-        assert any(k.endswith(f"models/{by_run[child.info.run_id]}/artifacts/MLmodel")
-                   for k in keys), keys
+        assert any(
+            k.endswith(f"models/{by_run[child.info.run_id]}/artifacts/MLmodel") for k in keys
+        ), keys
     assert not (tmp_path / "mlflow.db").exists()  # nothing went to a local store
 
     # the sweep's state, reports and checkpoints are in the bucket, and export reads them
     storage = ResultsStorage(storage_path, "topology")
     assert {"sweep.json", "trials.csv", "pareto_front.csv", "tuning_privacy.json"} <= set(
-        storage.listdir())
+        storage.listdir()
+    )
     for child in children:
         assert child.data.tags["dpivon.checkpoint"].startswith(f"{storage.uri}/")
     assert not (tmp_path / "runs").exists()
     export = subprocess.run(
         [*DPIVON, "export", storage.uri, "--pick", "pareto", "--out", str(tmp_path / "best.yaml")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
     assert export.returncode == 0, export.stderr[-3000:]
     exported = yaml.safe_load((tmp_path / "best.yaml").read_text())

@@ -17,10 +17,24 @@ def test_train_against_a_tracking_server(postgres, mlflow_servers, tmp_path, mon
     """`dpivon train` logs to the server (sweeps against one: tests/test_topology.py)."""
     mlflow_server = mlflow_servers(postgres, str(tmp_path / "artifacts")).uri
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, [
-        "train", "--dataset", "synthetic", "--model", "small-cnn", "--optimizer",
-        "dp-ivon-gradsq", "--epochs", "1", "--batch-size", "64", "--tracking-uri", mlflow_server,
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "small-cnn",
+            "--optimizer",
+            "dp-ivon-gradsq",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "64",
+            "--tracking-uri",
+            mlflow_server,
+        ],
+    )
     assert result.exit_code == 0, result.output
     client = mlflow.MlflowClient(mlflow_server)
     (train_run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
@@ -36,12 +50,21 @@ def test_no_credentials_in_output_state_or_store(postgres, tmp_path):
     password is accepted and ignored)."""
     secret = "hunter2-not-for-logs"
     uri = postgres.replace("postgres@", f"postgres:{secret}@", 1)
-    path = write_pipeline(tmp_path, name="secret", trials=1, scheduler={"type": "none"},
-                          optimizers=[{"name": "dp-sgd", "space": str(
-                              REPO / "search_spaces/quickstart/dp-sgd.yaml")}])
+    path = write_pipeline(
+        tmp_path,
+        name="secret",
+        trials=1,
+        scheduler={"type": "none"},
+        optimizers=[
+            {"name": "dp-sgd", "space": str(REPO / "search_spaces/quickstart/dp-sgd.yaml")}
+        ],
+    )
     sweep = subprocess.run(
         [sys.executable, "-m", "dpivon.cli", "sweep", str(path), "--tracking-uri", uri],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     assert secret not in sweep.stdout + sweep.stderr

@@ -15,14 +15,31 @@ from damaged_files import DAMAGED_CHECKPOINTS
 from mlflow.tracking import MlflowClient
 
 DPIVON = [sys.executable, "-m", "dpivon.cli"]
-RUN = ["train", "--dataset", "synthetic", "--model", "small-cnn", "--optimizer", "dp-sgd",
-       "--epsilon", "8", "--epochs", "3", "--batch-size", "64", "--research-mode",
-       "--no-log-model", "--set", "data.synthetic_size=600"]
+RUN = [
+    "train",
+    "--dataset",
+    "synthetic",
+    "--model",
+    "small-cnn",
+    "--optimizer",
+    "dp-sgd",
+    "--epsilon",
+    "8",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "64",
+    "--research-mode",
+    "--no-log-model",
+    "--set",
+    "data.synthetic_size=600",
+]
 
 
 def _train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*DPIVON, *RUN, *flags], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [*DPIVON, *RUN, *flags], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
 
 
 def _result(path) -> dict:
@@ -39,8 +56,14 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_
 
     uri = "sqlite:///killed.db"
     flags = ["--checkpoint", "state.pt", "--json", "resumed.json", "--tracking-uri", uri]
-    driver = subprocess.Popen([*DPIVON, *RUN, *flags], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    driver = subprocess.Popen(
+        [*DPIVON, *RUN, *flags],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     for line in driver.stderr:  # the epoch line comes after the checkpoint is written
         if line.startswith("epoch 1/3") or time.monotonic() > deadline:
@@ -71,8 +94,13 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_
     assert sorted(m.step for m in history) == [1, 2, 3]
 
     # a checkpoint of another configuration is refused, not resumed
-    other = subprocess.run([*DPIVON, *RUN[:-2], "--set", "data.synthetic_size=700", *flags],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    other = subprocess.run(
+        [*DPIVON, *RUN[:-2], "--set", "data.synthetic_size=700", *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert other.returncode == 2
     assert other.stderr.strip().splitlines()[-1].startswith("error: checkpoint state.pt is of")
 
@@ -112,4 +140,3 @@ def test_a_sigtermed_run_ends_killed_in_one_line(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("dpivon").experiment_id])
     assert run.info.status == "KILLED"
-

@@ -176,7 +176,6 @@ def test_training_is_reproducible_and_resumable():
     assert resumed.val == pytest.approx(full.val)
 
 
-
 def test_a_train_checkpoint_of_layout_1_reads_back_releasable_and_resumes(tmp_path):
     """`dpivon train --checkpoint` wrote the whole state before every driver shared one
     format, the noise key and the raw training loss with it: such a file reads back as
@@ -202,6 +201,7 @@ def test_a_train_checkpoint_of_layout_1_reads_back_releasable_and_resumes(tmp_pa
     assert [m["epoch"] for m in resumed.history] == [1, 2]
     with pytest.raises(DpivonError, match="another run configuration"):
         runs.RunCheckpoint.load(path, config.replace(lr=config.optimizer.lr * 2))
+
 
 def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     config = tmp_path / "fail.yaml"
@@ -350,9 +350,17 @@ def test_a_private_run_logs_its_raw_training_loss_only_when_asked(tmp_path, stor
 
 def test_divergence_is_seen_in_the_parameters_not_the_raw_loss():
     config = parse_config(
-        {"dataset": "synthetic", "synthetic_size": 200, "model": "small-cnn",
-         "optimizer": "dp-sgd", "lr": 1e6, "max_grad_norm": 1e6, "batch_size": 32,
-         "epochs": 1, "bma_samples": 0}
+        {
+            "dataset": "synthetic",
+            "synthetic_size": 200,
+            "model": "small-cnn",
+            "optimizer": "dp-sgd",
+            "lr": 1e6,
+            "max_grad_norm": 1e6,
+            "batch_size": 32,
+            "epochs": 1,
+            "bma_samples": 0,
+        }
     )  # fmt: skip  (steps of lr times noise of std about 3e4: the activations overflow)
     with pytest.raises(TrainingDiverged, match="parameters are no longer finite") as info:
         train(config)

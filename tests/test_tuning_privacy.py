@@ -256,11 +256,13 @@ def test_a_hidden_trial_count_leaves_no_trace_in_the_report(ran):
     assert facts["num_trials"] == ran
     assert facts["composition_epsilon"] == pytest.approx(composition_epsilon([BRIEF] * ran, DELTA))
     # the parent's description, inside the store that counts the trials anyway, gives it
-    front = pd.DataFrame({"optimizer": ["dp-sgd"], "epsilon": [8.0], "trial_id": ["a"],
-                          "val_accuracy": [0.5]})
+    front = pd.DataFrame(
+        {"optimizer": ["dp-sgd"], "epsilon": [8.0], "trial_id": ["a"], "val_accuracy": [0.5]}
+    )
     report = {**report, "trial_epsilon": 1.0}  # as the sweep's report adds it
-    text = parent_description(front, [("val_accuracy", "max")], {"g": report},
-                              hidden_counts={"g": facts})
+    text = parent_description(
+        front, [("val_accuracy", "max")], {"g": report}, hidden_counts={"g": facts}
+    )
     assert report["holds_while"] in text
     shared = f"the {ran} trials that ran holds, epsilon {facts['composition_epsilon']:.3g}"
     assert shared in text
@@ -341,8 +343,13 @@ def test_a_forged_tuning_cost_is_refused_before_any_run(tmp_path, forge, message
         "quoted_rdp": [float(v) for v in quote["quoted_rdp"]],
     }
     config = {
-        "optimizer": "dp-sgd", "dataset": "synthetic", "synthetic_size": 400, "model": "small-cnn",
-        "epochs": 1, "batch_size": 64, "epsilon": 8.0,
+        "optimizer": "dp-sgd",
+        "dataset": "synthetic",
+        "synthetic_size": 400,
+        "model": "small-cnn",
+        "epochs": 1,
+        "batch_size": 64,
+        "epsilon": 8.0,
     }
     path = tmp_path / "forged.yaml"
     path.write_text(yaml.safe_dump({**config, "privacy": {"tuning": forge(tuning)}}))

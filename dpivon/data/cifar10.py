@@ -231,8 +231,7 @@ def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
         os.replace(tmp.name, path)
     except OSError as exc:
         raise DpivonError(
-            f"cannot write the cache file {path} ({exc}); set {ENV_CACHE} to a writable "
-            "directory"
+            f"cannot write the cache file {path} ({exc}); set {ENV_CACHE} to a writable directory"
         ) from exc
 
 

@@ -27,7 +27,6 @@ GPU_DRAWS_PER_CALL = (1, 4, 16)
 MEASURE_BUDGET_S = 4.0  # a slow model on a slow device stops measuring early
 
 
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

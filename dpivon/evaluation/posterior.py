@@ -60,9 +60,9 @@ def draw_parameters(means: Params, stds: Params, generator: torch.Generator | No
     seeded generator is the same whichever way the draws are evaluated."""
     with torch.no_grad():
         return {
-            name: mean + torch.randn(
-                mean.shape, generator=generator, device=mean.device, dtype=mean.dtype
-            ) * stds[name]
+            name: mean
+            + torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            * stds[name]
             for name, mean in means.items()
         }
 

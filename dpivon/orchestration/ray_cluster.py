@@ -59,8 +59,12 @@ def init_ray(address: str | None) -> bool:
             # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
             # "local" starts a cluster of this process's own even beside a `ray start` one.
             logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
     return bool(address) and address != "local"

@@ -169,9 +169,7 @@ class ResultsStorage:
         try:
             yield
         except OSError as err:
-            raise DpivonError(
-                f"cannot {what} {self.location(name)}: {_one_line(err)}"
-            ) from None
+            raise DpivonError(f"cannot {what} {self.location(name)}: {_one_line(err)}") from None
 
     def check_writable(self) -> None:
         """A local sweep folder can be made and written (checked without creating it); an
@@ -187,9 +185,9 @@ class ResultsStorage:
             parts = urllib.parse.urlsplit(self.uri)
             query = dict(urllib.parse.parse_qsl(parts.query))
             query.setdefault("retry_limit_seconds", str(STORE_ANSWER_S))
-            filesystem, _ = open_uri(urllib.parse.urlunsplit(
-                parts._replace(query=urllib.parse.urlencode(query))
-            ))
+            filesystem, _ = open_uri(
+                urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+            )
         with self._errors("reach", ""):
             filesystem.get_file_info(self.path)
 
@@ -307,7 +305,9 @@ def local_copy(location: str) -> Iterator[Path]:
             target.mkdir()  # pyarrow creates the folders inside it, not the folder itself
         try:
             pafs.copy_files(
-                path, str(target), source_filesystem=filesystem,
+                path,
+                str(target),
+                source_filesystem=filesystem,
                 destination_filesystem=pafs.LocalFileSystem(),
             )
         except OSError as err:

@@ -66,9 +66,7 @@ class _QuotedBound:
     why: str
 
 
-def _threat_model(
-    conditions: SweepConditions, covered: Sequence[TrialMechanism]
-) -> dict[str, Any]:
+def _threat_model(conditions: SweepConditions, covered: Sequence[TrialMechanism]) -> dict[str, Any]:
     """How the group's trials were chosen, what is released, which records are covered."""
     noised = bool(covered) and all(t.private_validation for t in covered)
     return {

@@ -65,9 +65,7 @@ def restore_rng_states(states: dict, setup: TrainingSetup) -> None:
         setup.loader.generator.set_state(states["shuffling"])
 
 
-def training_state(
-    epoch: int, setup: TrainingSetup, scheduler: Any, history: list[dict]
-) -> dict:
+def training_state(epoch: int, setup: TrainingSetup, scheduler: Any, history: list[dict]) -> dict:
     """The whole state after ``epoch`` (the noise key included: `releasable_state` drops it)."""
     return {
         "epoch": epoch,
@@ -140,8 +138,11 @@ class RunCheckpoint:
             saved = {FORMAT_KEY: 1, "config": {}, "training": state, "mlflow_run_id": "",
                      "seconds": 0.0}  # fmt: skip
         training = saved["training"]
-        wrong = [k for k, kind in TRAINING_STATE.items()
-                 if not isinstance(training.get(k), kind) or isinstance(training.get(k), bool)]
+        wrong = [
+            k
+            for k, kind in TRAINING_STATE.items()
+            if not isinstance(training.get(k), kind) or isinstance(training.get(k), bool)
+        ]
         rng = training.get("rng")
         if wrong or not isinstance(rng.get("randomness"), dict):
             raise DpivonError(
@@ -184,4 +185,3 @@ class RunCheckpoint:
         partial = path.with_name(path.name + ".tmp")
         partial.write_bytes(self.to_bytes())
         partial.replace(path)
-

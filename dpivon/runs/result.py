@@ -40,6 +40,8 @@ class StepReport:
 
 
 StepCallback = Callable[[StepReport], None]
+
+
 @dataclass
 class EpochReport:
     """What callbacks see after each epoch; ``checkpoint()`` builds resumable state lazily."""

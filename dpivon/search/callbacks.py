@@ -63,6 +63,8 @@ def tracking_wait_s() -> float:
         raise DpivonError(f"{WAIT_ENV} must be a number of seconds, got {text!r}") from None
     check_bound(NonNegativeFloat, WAIT_ENV, seconds)
     return seconds
+
+
 console = Console(stderr=True)
 # Tune bookkeeping that is not worth a metric in MLflow.
 _SKIPPED = {
@@ -398,9 +400,7 @@ def trial_outcome(trial) -> str:
     return COMPLETED if result.get(COMPLETE) else STOPPED
 
 
-def tally(
-    trials, total: int | None, group: str | None = None, now: dict[str, str] = ()
-) -> dict:
+def tally(trials, total: int | None, group: str | None = None, now: dict[str, str] = ()) -> dict:
     """How many of ``total`` trials (of the sweep, or of ``group``) are completed, stopped
     early, failed, running and waiting (not started, or not yet created by the searcher):
     the counts always add up to ``total``. ``now`` holds the outcome of a trial whose event

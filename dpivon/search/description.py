@@ -77,8 +77,11 @@ def parent_description(
         "",
         *(f"- **{group}**: {r['quote']}" for group, r in privacy.items()),
         *(f"- **{group}**: {r['tuned_as']}" for group, r in privacy.items() if "tuned_as" in r),
-        *(f"- **{group}**: {r['holds_while']}" for group, r in privacy.items()
-          if "holds_while" in r),
+        *(
+            f"- **{group}**: {r['holds_while']}"
+            for group, r in privacy.items()
+            if "holds_while" in r
+        ),
         *(
             _shared_store(group, hidden_counts[group])
             for group, r in privacy.items()

@@ -147,8 +147,9 @@ def _inside(dist: BaseDistribution, value: Any) -> bool:
         return False
     if not dist.low <= value <= dist.high:
         return False
-    return dist.step is None or math.isclose((value - dist.low) / dist.step,
-                                             round((value - dist.low) / dist.step))
+    return dist.step is None or math.isclose(
+        (value - dist.low) / dist.step, round((value - dist.low) / dist.step)
+    )
 
 
 def _extremes(param: Any) -> list[Any]:
@@ -407,23 +408,30 @@ def _check_start_point(prefix: str, space: SearchSpace, point: dict[str, Any]) -
         dist = space.params.get(name)
         if not isinstance(dist, BaseDistribution):
             what = "a fixed value" if name in space.params else "not a parameter of this space"
-            raise DpivonError(f"{prefix}.{name}: {name!r} is {what}; a start point sets "
-                              "sampled parameters only")
+            raise DpivonError(
+                f"{prefix}.{name}: {name!r} is {what}; a start point sets sampled parameters only"
+            )
         if not _inside(dist, value):
-            raise DpivonError(f"{prefix}.{name}: {_shown.repr(value)} is outside {name}'s "
-                              f"distribution {dist}; move the point inside the space or widen it")
+            raise DpivonError(
+                f"{prefix}.{name}: {_shown.repr(value)} is outside {name}'s "
+                f"distribution {dist}; move the point inside the space or widen it"
+            )
     active = space._active_values(lambda name, _: point.get(name))
     missing = [n for n in space.distributions if n in active and n not in point]
     inactive = [n for n in point if n not in active]
     if missing or inactive:
-        problem = (f"gives no value for the active {', '.join(missing)}" if missing else
-                   f"sets {', '.join(inactive)}, inactive at this point (its when is not met)")
+        problem = (
+            f"gives no value for the active {', '.join(missing)}"
+            if missing
+            else f"sets {', '.join(inactive)}, inactive at this point (its when is not met)"
+        )
         raise DpivonError(f"{prefix}: the point {problem}")
     try:
         TrainConfig.model_validate(space.trial_config(point))
     except ValidationError as err:
-        raise DpivonError(f"{prefix}: not a valid {space.optimizer} setting: "
-                          f"{format_validation_error(err)}") from None
+        raise DpivonError(
+            f"{prefix}: not a valid {space.optimizer} setting: {format_validation_error(err)}"
+        ) from None
 
 
 def _distribution(prefix: str, value: dict[str, Any]) -> tuple[BaseDistribution, dict]:

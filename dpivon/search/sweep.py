@@ -99,8 +99,14 @@ class SweepState(RunState):
 
 
 def _run_trials(
-    pipeline: Pipeline, groups: list[SweepGroup], data: DataSplits, state: SweepState,
-    storage: ResultsStorage, tracker: Tracker, concurrency: int, stop: _StopOnSignals,
+    pipeline: Pipeline,
+    groups: list[SweepGroup],
+    data: DataSplits,
+    state: SweepState,
+    storage: ResultsStorage,
+    tracker: Tracker,
+    concurrency: int,
+    stop: _StopOnSignals,
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
     ``concurrency`` at once. On a resume the trials MLflow records as ended are not run
@@ -120,8 +126,13 @@ def _run_trials(
     )
     if restoring:
         console.print("restoring the interrupted trials")
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,
-                                   resume_errored=False, storage_filesystem=filesystem)
+        tuner = tune.Tuner.restore(
+            path,
+            trainable,
+            resume_unfinished=True,
+            resume_errored=False,
+            storage_filesystem=filesystem,
+        )
     else:
         run_config = tune.RunConfig(
             name=TUNE_EXPERIMENT,
@@ -132,11 +143,22 @@ def _run_trials(
             callbacks=[StopWhenSaved()],
             verbose=0,
         )
-        tuner = group_tuner(pipeline, groups, trainable, run_config, storage,
-                            concurrency=concurrency, tracking_uri=tracker.tracking_uri,
-                            experiment=state.experiment, parent_run_id=state.parent_run_id)
-    how_many = (f"trials drawn from {pipeline.trial_count} (mean {pipeline.trials})"
-                if pipeline.hides_trial_count else f"{sum(g.trials for g in groups)} trials")
+        tuner = group_tuner(
+            pipeline,
+            groups,
+            trainable,
+            run_config,
+            storage,
+            concurrency=concurrency,
+            tracking_uri=tracker.tracking_uri,
+            experiment=state.experiment,
+            parent_run_id=state.parent_run_id,
+        )
+    how_many = (
+        f"trials drawn from {pipeline.trial_count} (mean {pipeline.trials})"
+        if pipeline.hides_trial_count
+        else f"{sum(g.trials for g in groups)} trials"
+    )
     console.print(f"{len(groups)} groups, {how_many}, {concurrency} at a time")
     with stop.tuning():
         tuner.fit()
@@ -180,8 +202,7 @@ class _StopOnSignals:
         if self._active:
             self._usr1 = signal.getsignal(signal.SIGUSR1)
             self._previous = {
-                number: signal.signal(number, self._handle)
-                for number in STOP_SIGNALS
+                number: signal.signal(number, self._handle) for number in STOP_SIGNALS
             }
             # Tune would take SIGINT over during fit and swallow it; this handler decides.
             self._tune_sigint = os.environ.get(_TUNE_SIGINT_ENV)
@@ -212,8 +233,10 @@ class _StopOnSignals:
     def _handle(self, number: int, frame) -> None:
         if self.received is None and self._tuning:
             self.received, self._deadline = number, time.monotonic() + SAVE_WAIT_S
-            console.print(f"{signal.Signals(number).name}: stopping the sweep; the trials "
-                          "keep their checkpoints (again to stop at once)")
+            console.print(
+                f"{signal.Signals(number).name}: stopping the sweep; the trials "
+                "keep their checkpoints (again to stop at once)"
+            )
             return
         raise SweepInterrupted(self.received or number)
 
@@ -262,8 +285,12 @@ def _kill_open_trials(tracker: Tracker, parent_run_id: str) -> None:
 
 
 def _record_new_sweep(
-    pipeline: Pipeline, storage: ResultsStorage, tracker: Tracker, parent: str,
-    trial_epsilons: dict[str, float], counts: dict[tuple[str, float], int],
+    pipeline: Pipeline,
+    storage: ResultsStorage,
+    tracker: Tracker,
+    parent: str,
+    trial_epsilons: dict[str, float],
+    counts: dict[tuple[str, float], int],
 ) -> SweepState:
     """The new parent run's settings and files, and the state file that names it."""
     tracker.log_params(
@@ -306,18 +333,14 @@ def _record_new_sweep(
     return state
 
 
-def _trial_counts(
-    pipeline: Pipeline, previous: SweepState | None
-) -> dict[tuple[str, float], int]:
+def _trial_counts(pipeline: Pipeline, previous: SweepState | None) -> dict[tuple[str, float], int]:
     """Each group's trial count: drawn now for a new sweep, the drawn one for a resume."""
     if previous is None or not previous.trial_counts:  # new, or from before counts were kept
         return pipeline.trial_counts()
     return {(o, e): previous.trial_counts[group_name(o, e)] for o, e in pipeline.groups}
 
 
-def _trial_epsilons(
-    pipeline: Pipeline, counts: dict[tuple[str, float], int]
-) -> dict[str, float]:
+def _trial_epsilons(pipeline: Pipeline, counts: dict[tuple[str, float], int]) -> dict[str, float]:
     """Each group's per-trial epsilon: its budget, with ``noise_faithful`` what its trials'
     fixed noise spends, or with ``total_epsilon`` the largest one whose quoted tuning epsilon
     (worst case over the space) is at most the total."""
@@ -406,13 +429,17 @@ def run_sweep(
     slots = 0 if finished else connect(address, pipeline.resources, "trial")
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     concurrency = (pipeline.concurrency or slots) if slots else 0
-    tags = {"dpivon.kind": "sweep", SWEEP_DIR_TAG: storage.uri,
-            **noise_tags(pipeline.research_mode)}
+    tags = {
+        "dpivon.kind": "sweep",
+        SWEEP_DIR_TAG: storage.uri,
+        **noise_tags(pipeline.research_mode),
+    }
     with _StopOnSignals() as stop:
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
-            state = previous or _record_new_sweep(pipeline, storage, tracker, parent,
-                                                  trial_epsilons, counts)
+            state = previous or _record_new_sweep(
+                pipeline, storage, tracker, parent, trial_epsilons, counts
+            )
             # Restored Tune callbacks hold the redacted URI; they read the real one from here.
             os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
             console.print(
@@ -422,11 +449,12 @@ def run_sweep(
             )
             try:
                 if finished:
-                    console.print("every trial has run: none runs again; the report is "
-                                  "made again from the MLflow record")
+                    console.print(
+                        "every trial has run: none runs again; the report is "
+                        "made again from the MLflow record"
+                    )
                 else:
-                    _run_trials(pipeline, groups, data, state, storage, tracker, concurrency,
-                                stop)
+                    _run_trials(pipeline, groups, data, state, storage, tracker, concurrency, stop)
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
                 _close_lost_trials(tracker, parent)
@@ -436,5 +464,4 @@ def run_sweep(
             except SweepInterrupted:
                 _kill_open_trials(tracker, parent)
                 raise
-            return report_sweep(pipeline, tracker, parent, trial_epsilons, counts, data,
-                                storage)
+            return report_sweep(pipeline, tracker, parent, trial_epsilons, counts, data, storage)

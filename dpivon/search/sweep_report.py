@@ -69,7 +69,10 @@ def tuning_privacy(
         ran = ran.dropna(subset=facts) if set(facts) <= set(ran.columns) else ran.iloc[0:0]
         mechanisms = [
             TrialMechanism(
-                r.noise_multiplier, r.sample_rate, int(r.steps), pipeline.validation_noise,
+                r.noise_multiplier,
+                r.sample_rate,
+                int(r.steps),
+                pipeline.validation_noise,
                 releases,
             )
             for r in ran.itertuples()
@@ -163,8 +166,9 @@ def report_sweep(
             if numeric and np.isfinite(value):
                 metrics[f"tuning.{group}.{key}"] = float(value)
     tracker.log_changed_metrics(parent_run_id, metrics)
-    description = parent_description(released, objectives, privacy, pipeline.research_mode,
-                                     hidden_counts=private)
+    description = parent_description(
+        released, objectives, privacy, pipeline.research_mode, hidden_counts=private
+    )
     tracker.set_tags(parent_run_id, {"mlflow.note.content": description})
     title = f"{pipeline.name}: Pareto fronts on validation"
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:

@@ -372,8 +372,11 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
         )
     parent = tracker.start_run(
         pipeline.name,
-        tags={"dpivon.kind": KIND, "dpivon.benchmark_dir": storage.uri,
-              **noise_tags(pipeline.research_mode)},
+        tags={
+            "dpivon.kind": KIND,
+            "dpivon.benchmark_dir": storage.uri,
+            **noise_tags(pipeline.research_mode),
+        },
     )
     tracker.log_params(
         parent,
@@ -518,8 +521,7 @@ def execute_runs(
             if message is not None:
                 _fail(tracker, run_id, message, status)
                 if status == "KILLED":  # stopped, not failed: --resume continues it
-                    bar.console.print(f"[bold]{spec.key}[/] [yellow]{message}[/]",
-                                      highlight=False)
+                    bar.console.print(f"[bold]{spec.key}[/] [yellow]{message}[/]", highlight=False)
                     return
                 outcome.failed[spec.key] = message
                 bar.console.print(f"[bold]{spec.key}[/] [red]failed[/]: {message}", highlight=False)
@@ -684,8 +686,9 @@ def run_benchmark(
         check_fits_here(pipeline.resources, address, "run")
     pipeline.storage.check_writable()
     if report_only:
-        return _report_only(pipeline, Tracker(tracking_uri or pipeline.tracking_uri,
-                                              pipeline.experiment))
+        return _report_only(
+            pipeline, Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
+        )
     if resume:
         _check_run_checkpoints(pipeline)
     # every run shares data fields and split; a missing data path fails before Ray and MLflow

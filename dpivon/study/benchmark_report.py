@@ -447,7 +447,7 @@ KNOWN_SETTING_NOTE = (
     "Each tuned method beside every method of the same optimizer at fixed hyper-parameters "
     "(those the benchmark file gives, such as a published setting, over the registry's "
     "defaults): test accuracy of the pick minus the fixed setting's, over the seeds. "
-    "\"leads\": the tuning found a better setting for the final runs; \"trails\": it "
+    '"leads": the tuning found a better setting for the final runs; "trails": it '
     "picked a worse one than the fixed setting."
 )
 
@@ -700,8 +700,10 @@ def _methods_blocks(
         )
         tuned_by = config.get("tuned_by") or "fixed hyper-parameters"
         dimension = config.get("space_dimension")
-        searched = "-" if not config.get("tuned_by") else (
-            "not recorded" if dimension is None else str(dimension)
+        searched = (
+            "-"
+            if not config.get("tuned_by")
+            else ("not recorded" if dimension is None else str(dimension))
         )
         rows.append([method, str(config["optimizer"]), shown, tuned_by, searched])
     header = ["method", "optimizer", "hyper-parameters", "tuned by", "space dimension"]

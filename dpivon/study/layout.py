@@ -18,6 +18,8 @@ RELIABILITY_FILE = "reliability.json"  # the test reliability bins of a child ru
 def is_completed(run: Any) -> bool:
     """A child whose run returned and was fully logged (skipped by --resume)."""
     return run.data.tags.get(STATUS_TAG) == COMPLETED and run.info.status == "FINISHED"
+
+
 WEIGHTS_DIR = "weights"  # a completed run's model file (see weights_file), beside the state
 
 

@@ -214,9 +214,7 @@ def selective_rows(table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def privacy_cost_frame(
-    records: Sequence[RunRecord], references: Mapping[str, str]
-) -> pd.DataFrame:
+def privacy_cost_frame(records: Sequence[RunRecord], references: Mapping[str, str]) -> pd.DataFrame:
     """One row per run of a private method in ``references`` (method -> its non-private
     reference) whose reference ran the same replicate: method, epsilon, replicate and, per
     metric of COST_SIGNS, ``<metric>_cost_s<k>`` (how much worse the run is than its

@@ -151,17 +151,15 @@ class BenchmarkPipeline(RunFile):
     noun: ClassVar[str] = "benchmark"
 
     epsilons: Epsilons
-    seeds: Annotated[
-        list[Annotated[Int, Bound(ge=0)]], BeforeValidator(as_list), distinct("seeds")
-    ]
+    seeds: Annotated[list[Annotated[Int, Bound(ge=0)]], BeforeValidator(as_list), distinct("seeds")]
     split_seed: Seed = 0
     methods: Annotated[
         list[Method], Field(min_length=1), distinct("method names", lambda m: m.name)
     ]
     concurrency: Concurrency = 2
-    run_timeout_s: Annotated[
-        Float, Bound(gt=0, infinite=True, shown="> 0 (.inf: no limit)")
-    ] = 6 * 3600.0
+    run_timeout_s: Annotated[Float, Bound(gt=0, infinite=True, shown="> 0 (.inf: no limit)")] = (
+        6 * 3600.0
+    )
     # not a TrainConfig key: scoring under shift changes no run's training (or config hash)
     shift: Literal["none", "default", "full"] = "none"
 
