@@ -61,7 +61,8 @@ FIGURES = "figures"
 RESULTS_CSV = "results.csv"
 RUNS_CSV = "runs.csv"
 STATISTICS_RULE = (
-    "Intervals are 95 % t intervals over seeds. Two methods are compared by their per-seed "
+    "Intervals are 95 % t intervals over seeds (none where the seeds agree exactly: no "
+    "spread measured). Two methods are compared by their per-seed "
     "differences (paired t-test over the seeds they share, else Welch's t-test): a method "
     '"leads" only where the 95 % interval of the difference excludes 0; otherwise the two '
     'are "indistinguishable" at that number of seeds (`dpivon.study.significance`). The '

@@ -6,10 +6,10 @@ are compared by their per-seed differences (a paired t-test, ``scipy.stats.ttest
 they share at least two seeds, else by Welch's t-test (``ttest_ind(equal_var=False)``). The
 pairs are fixed before the runs (replicate k of each), which keeps the test valid; since the
 runs of a replicate share no randomness, pairing removes no variance and costs degrees of
-freedom (n - 1): at a few seeds the paired interval is the conservative one. Differences
-with no spread at all (accuracies are multiples of 1 / test images, so two seeds can differ
-by exactly the same amount) get no interval: a t interval of zero width would call any
-such gap certain.
+freedom (n - 1): at a few seeds the paired interval is the conservative one. Values or
+differences with no spread at all (accuracies are multiples of 1 / test images, so two seeds
+can score, or differ by, exactly the same) get no interval: a t interval of zero width
+would call such a mean or gap certain.
 The words a report may use follow from the interval of the difference: a method *leads*
 only where that interval excludes 0; otherwise the two are *indistinguishable* at that
 number of seeds. With 2 seeds the t quantile is 12.7, so only a gap many times the seeds'
@@ -32,7 +32,7 @@ from scipy import stats
 CONFIDENCE = 0.95
 # Spearman's permutation test: exact (every pairing) up to 8 items, else this many draws
 SPEARMAN_RESAMPLES = 40_320
-# Below this width (relative to the difference) an interval is rounding, not spread.
+# Below this width (relative to the value) an interval is rounding, not spread.
 NO_SPREAD = 1e-9
 
 
@@ -60,15 +60,25 @@ def _finite(values: Sequence[float]) -> np.ndarray:
     return array[np.isfinite(array)]
 
 
+def _spread_interval(low: float, high: float, center: float) -> Interval:
+    """``[low, high]``, or UNKNOWN where it has no width: values that agree exactly (or to
+    rounding) measured no spread, and a point interval would claim certainty they do not
+    give."""
+    if not high - low > NO_SPREAD * max(1.0, abs(center)):  # NaN too: scipy's zero variance
+        return UNKNOWN
+    return Interval(low, high)
+
+
 def mean_interval(values: Sequence[float]) -> Interval:
-    """The t interval of the mean of ``values`` (the finite ones)."""
+    """The t interval of the mean of ``values`` (the finite ones); UNKNOWN with fewer than
+    two or where they agree exactly (`_spread_interval`)."""
     finite = _finite(values)
     if len(finite) < 2:
         return UNKNOWN
-    with warnings.catch_warnings():  # identical values: scipy warns, the interval is a point
+    with warnings.catch_warnings():  # identical values: scipy warns (no interval then)
         warnings.simplefilter("ignore", RuntimeWarning)
         interval = stats.ttest_1samp(finite, 0.0).confidence_interval(CONFIDENCE)
-    return Interval(float(interval.low), float(interval.high))
+    return _spread_interval(float(interval.low), float(interval.high), float(np.mean(finite)))
 
 
 @dataclass(frozen=True)
@@ -106,11 +116,10 @@ def seed_difference(first: Mapping[int, float], second: Mapping[int, float]) -> 
 
 
 def _difference(mean: float, result, seeds: int, paired: bool) -> Difference:
-    interval = result.confidence_interval(CONFIDENCE)
-    low, high = float(interval.low), float(interval.high)
-    if not high - low > NO_SPREAD * max(1.0, abs(mean)):  # NaN too: scipy's zero variance
-        return Difference(mean, UNKNOWN, math.nan, seeds, paired)
-    return Difference(mean, Interval(low, high), float(result.pvalue), seeds, paired)
+    bounds = result.confidence_interval(CONFIDENCE)
+    interval = _spread_interval(float(bounds.low), float(bounds.high), mean)
+    p_value = float(result.pvalue) if interval.known else math.nan
+    return Difference(mean, interval, p_value, seeds, paired)
 
 
 def verdict_word(difference: Difference, better: str) -> str:
