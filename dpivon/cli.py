@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -31,6 +31,9 @@ from dpivon.logs import quiet_known_output
 from dpivon.orchestration.interrupts import Interrupted
 from dpivon.paths import check_writable
 from dpivon.process import configure_process, preload_jemalloc
+
+if TYPE_CHECKING:  # dpivon.shift loads torchvision: imported where a command needs it
+    from dpivon.shift import ShiftSet
 
 app = typer.Typer(
     cls=OneLineUsageErrors,
@@ -576,7 +579,7 @@ def predict(
     Console(width=200).print(table)
 
 
-def shift_set_named(name: str):
+def shift_set_named(name: str) -> ShiftSet:
     """The shift set ``default`` or ``full`` (`dpivon.shift.SHIFT_SETS`)."""
     from dpivon.shift import SHIFT_SETS
 

@@ -27,7 +27,7 @@ from dpivon.config import (
     format_validation_error,
     parse_assignments,
 )
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted, signals_interrupt
 from dpivon.paths import check_writable
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
@@ -78,8 +78,9 @@ def _subject(kwargs: dict[str, Any]) -> str:
 def report_unexpected(err: BaseException, operation: str, subject: str) -> None:
     """One red line for an exception nothing anticipated: the operation, its object, the
     exception's type and its first line (the traceback is noise to a user)."""
-    lines = str(err).strip().splitlines()
-    what = f"{type(err).__name__}: {lines[0][:500]}" if lines else type(err).__name__
+    what = type(err).__name__
+    if str(err).strip():
+        what = f"{what}: {first_line(err, 500)}"
     on = f" {subject}" if subject else ""
     console.print(
         f"[bold red]error:[/] {operation}{on} failed: {what}", highlight=False, soft_wrap=True

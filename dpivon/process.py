@@ -23,6 +23,8 @@ import ctypes
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dpivon.errors import DpivonError
@@ -94,6 +96,21 @@ def configure_process() -> None:
     choice = allocator()
     if choice == "keep-freed" or (choice == "jemalloc" and not jemalloc_loaded()):
         keep_freed_memory()
+
+
+@contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` in this process's environment inside the block, and as it
+    was (set or not) after it: what a library call needs there stays its own."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def enter_ray_worker(threads: int) -> None:

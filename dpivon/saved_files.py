@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.paths import check_regular_file
 
 FORMAT_KEY = "format"
@@ -52,9 +52,9 @@ def read_saved(
     try:
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # torch's errors span many types; its first line says which
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err, 120)
         raise DpivonError(
-            f"{what} {where} is not a file dpivon wrote, or is cut short ({reason[:120]}); {fix}"
+            f"{what} {where} is not a file dpivon wrote, or is cut short ({reason}); {fix}"
         ) from None
     if not isinstance(saved, dict):
         raise DpivonError(

@@ -26,7 +26,7 @@ from dpivon.evaluation import (
 )
 from dpivon.models import build_model
 from dpivon.optim.ivon import DPIVON
-from dpivon.process import ALLOCATOR_ENV, keep_freed_memory
+from dpivon.process import ALLOCATOR_ENV, environment_variable, keep_freed_memory
 from dpivon.runs import PHASES, load_data, train
 
 SMALL = {
@@ -214,3 +214,16 @@ def test_an_unknown_allocator_is_one_line_and_exit_2():
     assert out.stderr.strip().splitlines() == [
         "error: DPIVON_ALLOCATOR must be one of jemalloc, keep-freed, glibc, got 'tcmalloc'"
     ]
+
+
+@pytest.mark.parametrize("before", [None, "the caller's"])
+def test_an_environment_variable_a_call_sets_is_as_it_was_after_it(monkeypatch, before):
+    name = "DPIVON_TEST_VARIABLE"
+    if before is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, before)
+    with pytest.raises(KeyboardInterrupt), environment_variable(name, "inside"):
+        assert os.environ[name] == "inside"
+        raise KeyboardInterrupt  # restored however the block ends
+    assert os.environ.get(name) == before

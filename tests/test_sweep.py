@@ -35,6 +35,7 @@ from dpivon.data import DataSplits
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.runs import load_data, train
 from dpivon.saved_files import FORMAT_KEY
+from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
@@ -65,6 +66,12 @@ def finished_sweep(tmp_path_factory):
     pipeline = load_pipeline(write_pipeline(tmp_path))
     trials = run_sweep(pipeline)
     return tmp_path, pipeline, trials
+
+
+def test_a_sweep_leaves_the_process_environment_as_it_found_it(finished_sweep):
+    # the real tracking URI (a password in it) and Tune's SIGINT switch are the sweep's own
+    assert TRACKING_URI_ENV not in os.environ
+    assert "TUNE_DISABLE_SIGINT_HANDLER" not in os.environ
 
 
 def test_sweep_records_parent_children_and_pareto(finished_sweep):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import mlflow
 import numpy as np
@@ -174,6 +175,28 @@ def test_training_is_reproducible_and_resumable():
     for name, p in full.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], p)
     assert resumed.val == pytest.approx(full.val)
+
+
+def _global_generator_states() -> tuple:
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+
+
+def test_a_run_leaves_its_callers_global_generators_as_they_were():
+    config = parse_config({**SMALL, "optimizer": "dp-ivon-gradsq", "research_mode": True})
+    data = load_data(config)
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    before = _global_generator_states()
+    first = train(config, data=data, evaluate_test=False)
+    after = _global_generator_states()
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    # ... however it ends, and what the caller drew before does not change the run
+    torch.rand(5), np.random.rand(5), random.random()
+    before = _global_generator_states()
+    with pytest.raises(InjectedFailure):
+        train(config, data=data, on_epoch_end=fail_after(1))
+    after = _global_generator_states()
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    assert train(config, data=data, evaluate_test=False).val == first.val
 
 
 def test_a_train_checkpoint_of_layout_1_reads_back_releasable_and_resumes(tmp_path):

@@ -16,13 +16,13 @@ from dpivon.privacy.tuning import (
     ORDERS,
     SweepConditions,
     TrialMechanism,
-    _repeat_and_select_epsilon_from_curve,
     candidate_mechanisms,
     check_tuning_cost,
     composition_epsilon,
     epsilon_from_rdp,
     max_rdp_curve,
     random_trials_epsilon,
+    repeat_and_select_rdp,
     solve_trial_epsilon,
     trial_epsilon,
     worst_case_tuning_epsilon,
@@ -62,8 +62,8 @@ def test_trial_event_matches_brief_event():
 def test_max_curve_path_equals_repeat_and_select_event(distribution, shape, mean):
     direct = RdpAccountant(orders=ORDERS)
     direct.compose(dp_event.RepeatAndSelectDpEvent(BRIEF.event(), mean, shape))
-    via_curve = _repeat_and_select_epsilon_from_curve(
-        max_rdp_curve([BRIEF, BRIEF]), mean, shape, DELTA
+    via_curve = epsilon_from_rdp(
+        repeat_and_select_rdp(max_rdp_curve([BRIEF, BRIEF]), mean, shape), DELTA
     )
     assert via_curve == pytest.approx(direct.get_epsilon(DELTA), rel=1e-12)
     assert random_trials_epsilon(

@@ -23,7 +23,13 @@ from dpivon.errors import DpivonError
 from dpivon.models import build_model
 from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PrivacyPlan
-from dpivon.runs import PhaseTimes, StepCallback, TrainingRun, load_data
+from dpivon.runs import (
+    PhaseTimes,
+    StepCallback,
+    TrainingRun,
+    load_data,
+    seeded_global_generators,
+)
 
 
 @dataclass(frozen=True)
@@ -206,25 +212,26 @@ def scored_run(
     (noise off for the control) and score them from the privatised gradients."""
     # a constant learning rate, as documented in run_audit
     config = config.replace(lr_schedule="constant")
-    run = TrainingRun.set_up(config, data, PhaseTimes(), on_step)
-    private = run.setup.private
-    plan = private.plan
-    if not noise:
-        private.optimizer.noise_multiplier = 0.0
-    parameters = sum(p.numel() for p in private.optimizer.params if p.requires_grad)
-    norm = CANARY_NORM_IN_CLIPS * plan.max_grad_norm
-    drawn = Canaries.draw(parameters, canaries, norm, config.runtime.seed)
-    examples = CanaryExamples(drawn, private)
-    run.task = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
-    run.batch_filter = examples.take  # the canaries go through the engine with the batch
-    run.run_epochs(evaluate=False)
-    scores = examples.scores().numpy()
-    if not np.isfinite(scores).all():
-        raise DpivonError(
-            f"training diverged during the audit of {config.optimizer.name}: lower the learning "
-            f"rate (lr={config.optimizer.lr})"
-        )
-    included = drawn.included.numpy()
+    with seeded_global_generators(config.runtime.seed):
+        run = TrainingRun.set_up(config, data, PhaseTimes(), on_step)
+        private = run.setup.private
+        plan = private.plan
+        if not noise:
+            private.optimizer.noise_multiplier = 0.0
+        parameters = sum(p.numel() for p in private.optimizer.params if p.requires_grad)
+        norm = CANARY_NORM_IN_CLIPS * plan.max_grad_norm
+        drawn = Canaries.draw(parameters, canaries, norm, config.runtime.seed)
+        examples = CanaryExamples(drawn, private)
+        run.task = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
+        run.batch_filter = examples.take  # the canaries go through the engine with the batch
+        run.run_epochs(evaluate=False)
+        scores = examples.scores().numpy()
+        if not np.isfinite(scores).all():
+            raise DpivonError(
+                f"training diverged during the audit of {config.optimizer.name}: lower the "
+                f"learning rate (lr={config.optimizer.lr})"
+            )
+        included = drawn.included.numpy()
     best = audit_scores(scores, included, config.privacy.delta, confidence)
     n_included = int(included.sum())
     result = RunAudit(

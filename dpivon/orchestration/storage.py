@@ -53,7 +53,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.paths import check_writable_folder
 from dpivon.tracking.client import redact_uri
 
@@ -79,8 +79,7 @@ def open_uri(location: str) -> tuple[pafs.FileSystem, str]:
 def _one_line(err: BaseException) -> str:
     # pyarrow's errors carry the AWS SDK's multi-line detail, and Google's a paragraph on
     # one line: the first sentence of the first line says it.
-    text = str(err).strip().splitlines()
-    return text[0].split(". ")[0] if text else type(err).__name__
+    return first_line(err, 2000).split(". ")[0]
 
 
 class ResultsStorage:

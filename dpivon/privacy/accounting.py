@@ -18,7 +18,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from dpivon.constraints import Epsilon, check_bound
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.privacy.names import AccountantName
 
 ACCOUNTANTS: tuple[str, ...] = get_args(AccountantName)
@@ -160,11 +160,10 @@ def epsilon_spent(
             warnings.filterwarnings("ignore", "Optimal order is the", UserWarning)
             return float(acc.get_epsilon(delta=delta))
     except (ValueError, MemoryError, OverflowError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DpivonError(
             f"the {accountant} accountant cannot evaluate noise multiplier "
             f"{noise_multiplier:g} at sample rate {sample_rate:.4g} over {steps} steps "
-            f"({reason}); use accountant rdp, or noise nearer 1"
+            f"({first_line(err)}); use accountant rdp, or noise nearer 1"
         ) from err
 
 
@@ -188,16 +187,16 @@ def classic_rdp_epsilon(
 def check_budget(epsilon: float, delta: float, dataset_size: int | None = None) -> None:
     """Reject budgets that mean nothing: epsilon <= 0, delta outside (0, 1) or >= 1/N."""
     check_bound(Epsilon, "epsilon", epsilon)
+    check_delta(delta, dataset_size)
+
+
+def check_delta(delta: float, dataset_size: int | None = None) -> None:
+    """Reject delta outside (0, 1), and with ``dataset_size`` N, delta >= 1/N: a mechanism
+    that publishes one whole record with probability delta would meet it. Needs only N, so
+    pipelines check it when they load."""
     if not 0 < delta < 1:
         raise DpivonError(f"delta must be in (0, 1), got {delta}")
-    if dataset_size is not None:
-        check_delta(delta, dataset_size)
-
-
-def check_delta(delta: float, dataset_size: int) -> None:
-    """Reject delta >= 1/N: a mechanism that publishes one whole record with probability
-    delta would meet it. Needs only N, so pipelines check it when they load."""
-    if delta >= 1 / dataset_size:
+    if dataset_size is not None and delta >= 1 / dataset_size:
         raise DpivonError(
             f"delta={delta} is >= 1/N = {1 / dataset_size:.3g} for N={dataset_size} training "
             "examples: such a delta allows leaking whole records; use delta < 1/N (e.g. 1e-5)"

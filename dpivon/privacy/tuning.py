@@ -32,7 +32,11 @@ from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from dpivon.constraints import FiniteEpsilon, check_bound
 from dpivon.errors import DpivonError
-from dpivon.privacy.accounting import EPSILON_TOLERANCE, calibrate_noise_multiplier
+from dpivon.privacy.accounting import (
+    EPSILON_TOLERANCE,
+    calibrate_noise_multiplier,
+    check_delta,
+)
 
 # Shape of the truncated negative binomial family in dp_accounting's RepeatAndSelectDpEvent:
 # inf = Poisson(mean), 1 = geometric (mean = 1 / gamma).
@@ -92,11 +96,6 @@ class TrialMechanism:
             dp_event.GaussianDpEvent(self.validation_noise_multiplier), self.validation_releases
         )
         return dp_event.ComposedDpEvent([training, scores])
-
-
-def check_delta(delta: float) -> None:
-    if not 0 < delta < 1:
-        raise DpivonError(f"delta must be in (0, 1); got {delta}")
 
 
 def _epsilon(event: dp_event.DpEvent, delta: float) -> float:
@@ -188,18 +187,15 @@ def max_rdp_curve(trials: Sequence[TrialMechanism]) -> np.ndarray:
     return np.max(np.stack([_rdp_curve(t) for t in set(trials)]), axis=0)
 
 
-def _repeat_and_select_epsilon_from_curve(
-    rdp: np.ndarray, mean: float, shape: float, delta: float
-) -> float:
-    """Epsilon of the best of K runs of a mechanism given by its RDP curve on ``ORDERS``.
+def repeat_and_select_rdp(rdp: np.ndarray, mean: float, shape: float) -> np.ndarray:
+    """RDP curve on ``ORDERS`` of the best of K runs of a mechanism given by its RDP curve.
 
     ``RepeatAndSelectDpEvent`` takes a single DpEvent, not an RDP curve, so a mixture of
-    heterogeneous trials needs dp_accounting's private helpers directly. They are what
-    ``RdpAccountant`` calls for that event (``_compute_rdp_repeat_and_select`` then
-    ``compute_epsilon``); dp-accounting is pinned to 0.6.0 where these signatures hold.
+    heterogeneous trials needs dp_accounting's private helper directly. It is what
+    ``RdpAccountant`` calls for that event; dp-accounting is pinned to 0.6.0 where its
+    signature holds.
     """
-    curve = _rdp._compute_rdp_repeat_and_select(ORDERS, rdp, mean, shape)
-    return float(_rdp.compute_epsilon(ORDERS, curve, delta)[0])
+    return _rdp._compute_rdp_repeat_and_select(ORDERS, rdp, mean, shape)
 
 
 def trial_count_shape(distribution: str) -> float:
@@ -236,7 +232,7 @@ def random_trials_epsilon(
     if len(distinct) == 1:
         event = dp_event.RepeatAndSelectDpEvent(next(iter(distinct)).event(), mean, shape)
         return _epsilon(event, delta)
-    return _repeat_and_select_epsilon_from_curve(max_rdp_curve(trials), mean, shape, delta)
+    return epsilon_from_rdp(repeat_and_select_rdp(max_rdp_curve(trials), mean, shape), delta)
 
 
 # Which outputs of a sweep a reader of its results sees (the threat model's "release").

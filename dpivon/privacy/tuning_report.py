@@ -10,19 +10,19 @@ from typing import Any
 
 import numpy as np
 from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from dpivon.errors import DpivonError
+from dpivon.privacy.accounting import check_delta
 from dpivon.privacy.tuning import (
     ORDERS,
     RELEASES,
     SweepConditions,
     TrialMechanism,
-    check_delta,
     composition_epsilon,
     epsilon_from_rdp,
     event_rdp,
     max_rdp_curve,
+    repeat_and_select_rdp,
     trial_count_shape,
     trial_epsilon,
 )
@@ -130,9 +130,7 @@ def _random_trials_bound(
             "the random-trials bound needs the candidate mechanisms of the whole space"
         )
     shape = trial_count_shape(conditions.trial_count)
-    curve = _rdp._compute_rdp_repeat_and_select(
-        ORDERS, max_rdp_curve(candidates), conditions.mean_trials, shape
-    )
+    curve = repeat_and_select_rdp(max_rdp_curve(candidates), conditions.mean_trials, shape)
     entries = {
         "per_trial_epsilon_max": max(trial_epsilon(t, delta) for t in set(candidates)),
         "random_trials_epsilon": epsilon_from_rdp(curve, delta),

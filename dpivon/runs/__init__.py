@@ -29,6 +29,7 @@ from dpivon.runs.setup import (
     privacy_plan,
     resolve_device,
     seed_everything,
+    seeded_global_generators,
     synthetic_sizes,
     train_step,
 )
@@ -39,5 +40,5 @@ __all__ = [
     "TrainingSetup", "ValidationScores", "build_training", "check_batch", "check_fits",
     "check_plan_reachable",
     "load_data", "privacy_plan", "releasable_state", "released_metrics", "resolve_device",
-    "seed_everything", "synthetic_sizes", "train", "train_step",
+    "seed_everything", "seeded_global_generators", "synthetic_sizes", "train", "train_step",
 ]  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dpivon.config import TrainConfig
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.privacy.sampling import ShuffledBatches
 from dpivon.runs.release import releasable_state
 from dpivon.runs.result import EpochReport
@@ -156,8 +156,9 @@ class RunCheckpoint:
         try:  # train's layout 1 held the noise key: the state is made releasable here
             config = TrainConfig.model_validate(saved["config"])
         except ValueError as err:
-            line = str(err).strip().splitlines()[0]
-            raise DpivonError(f"checkpoint {where} holds no valid configuration ({line})") from None
+            raise DpivonError(
+                f"checkpoint {where} holds no valid configuration ({first_line(err)})"
+            ) from None
         return cls(saved["config"], releasable_state(config, training), saved["mlflow_run_id"])
 
     def check_config(self, config: TrainConfig, where: str | Path) -> RunCheckpoint:

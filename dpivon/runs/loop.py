@@ -37,7 +37,7 @@ from dpivon.runs.setup import (
     lr_scheduler,
     parameters_finite,
     resolve_device,
-    seed_everything,
+    seeded_global_generators,
     train_step,
 )
 
@@ -120,8 +120,8 @@ class TrainingRun:
         phases: PhaseTimes,
         on_step: StepCallback | None,
     ) -> TrainingRun:
-        """Seeds, device, data (phase "data"), model, optimizer and privacy ("setup")."""
-        seed_everything(config.runtime.seed)
+        """Device, data (phase "data"), model, optimizer and privacy ("setup"); inside
+        :func:`seeded_global_generators` of the run's seed."""
         device = resolve_device(config.runtime.device)
         phases.device = device
         with phases.phase("data"):
@@ -288,9 +288,11 @@ def train(
     ``extra_validation`` adds its scores of the model and posterior to each epoch's
     validation scores (``val_<key>``)."""
     started = time.perf_counter()
-    run = TrainingRun.set_up(config, data, phases if phases is not None else PhaseTimes(), on_step)
-    run.extra_validation = extra_validation
-    if resume_state is not None:
-        run.restore(resume_state)
-    run.run_epochs(on_epoch_end)
-    return run.finish(evaluate_test=evaluate_test, started=started)
+    with seeded_global_generators(config.runtime.seed):
+        phases = phases if phases is not None else PhaseTimes()
+        run = TrainingRun.set_up(config, data, phases, on_step)
+        run.extra_validation = extra_validation
+        if resume_state is not None:
+            run.restore(resume_state)
+        run.run_epochs(on_epoch_end)
+        return run.finish(evaluate_test=evaluate_test, started=started)

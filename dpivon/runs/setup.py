@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +41,23 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def seeded_global_generators(seed: int) -> Iterator[None]:
+    """The global generators (Python's, numpy's, torch's) seeded with ``seed`` inside the
+    block, and as they were after it. A run seeds them because what it draws through them
+    (the model's initialisation, IVON's weight noise) must repeat; its caller keeps its own
+    streams. CUDA's generators are restored where CUDA was in use before the block."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        seed_everything(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,17 +12,19 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlflow.exceptions import MlflowException
 from ray import tune
+from ray.tune.experiment import Trial
 from ray.tune.result import SHOULD_CHECKPOINT
 from rich.console import Console
 
 from dpivon.constraints import NonNegativeFloat, check_bound
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.search.results import (
     CHECKPOINT_TAG,
@@ -114,7 +116,7 @@ class RecordedTrials:
         except (DpivonError, MlflowException, OSError) as err:
             raise TrackingUnavailable(
                 f"MLflow at {self.tracking_uri} did not answer when the resumed sweep "
-                f"counted its trials ({_first_line(err)}); once it answers, run "
+                f"counted its trials ({first_line(err)}); once it answers, run "
                 "`dpivon sweep PIPELINE --resume` again"
             ) from err
         by_group: dict[str, set[str]] = {}
@@ -262,7 +264,7 @@ class MlflowTrialLogger(tune.Callback):
                         console.print(
                             "[yellow]MLflow is unreachable: trial results are kept and "
                             f"written when it answers (retrying every {RETRY_S:g} s)[/]: "
-                            f"{_first_line(err)}",
+                            f"{first_line(err)}",
                             highlight=False,
                         )
                     continue
@@ -365,12 +367,7 @@ def _transient(err: MlflowException) -> bool:
     return err.get_http_status_code() >= 500
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:300] if lines else type(err).__name__
-
-
-def trial_error(trial) -> str:
+def trial_error(trial: Trial) -> str:
     """The last line of the trial's error file: the exception, without Ray's traceback."""
     error_file = getattr(trial, "error_file", None)
     try:
@@ -386,7 +383,7 @@ COMPLETED, STOPPED, FAILED, RUNNING, WAITING = (
 )  # fmt: skip
 
 
-def trial_outcome(trial) -> str:
+def trial_outcome(trial: Trial) -> str:
     """A trial's state for the tally, from Tune's status and its last report."""
     if trial.status == "ERROR":
         return FAILED
@@ -400,7 +397,12 @@ def trial_outcome(trial) -> str:
     return COMPLETED if result.get(COMPLETE) else STOPPED
 
 
-def tally(trials, total: int | None, group: str | None = None, now: dict[str, str] = ()) -> dict:
+def tally(
+    trials: Iterable[Trial],
+    total: int | None,
+    group: str | None = None,
+    now: Mapping[str, str] | None = None,
+) -> dict[str, int | None]:
     """How many of ``total`` trials (of the sweep, or of ``group``) are completed, stopped
     early, failed, running and waiting (not started, or not yet created by the searcher):
     the counts always add up to ``total``. ``now`` holds the outcome of a trial whose event
@@ -410,7 +412,7 @@ def tally(trials, total: int | None, group: str | None = None, now: dict[str, st
     for trial in trials:
         if group is not None and trial.config.get(GROUP_KEY) != group:
             continue
-        outcome = dict(now).get(trial.trial_id) or trial_outcome(trial)
+        outcome = (now or {}).get(trial.trial_id) or trial_outcome(trial)
         if outcome in counts:
             counts[outcome] += 1
     counts[WAITING] = None if total is None else total - sum(counts.values())

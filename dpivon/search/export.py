@@ -29,7 +29,7 @@ import pandas as pd
 import yaml
 
 from dpivon.config import TrainConfig, TuningCost
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
@@ -86,8 +86,9 @@ def _read_table(storage: ResultsStorage, name: str) -> pd.DataFrame:
     try:
         table = pd.read_csv(io.BytesIO(storage.read_bytes(name)), dtype=ids)
     except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DpivonError(f"sweep table {where} is not a CSV table dpivon wrote ({line})") from None
+        raise DpivonError(
+            f"sweep table {where} is not a CSV table dpivon wrote ({first_line(err)})"
+        ) from None
     missing = [c for c in TABLE_COLUMNS[name] if c not in table.columns]
     if missing:
         raise DpivonError(

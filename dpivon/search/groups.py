@@ -132,7 +132,9 @@ class CompletionAwareOptunaSearch(OptunaSearch):
     (partially trained) values, so early-stopped trials never steer the search as
     finished points of the front."""
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+    def on_trial_complete(
+        self, trial_id: str, result: dict | None = None, error: bool = False
+    ) -> None:
         if result is not None and not result.get(COMPLETE):
             error = error or bool(result.get(DIVERGED))  # FAILED to Optuna, not PRUNED
             result = None
@@ -190,7 +192,9 @@ class GroupSearcher(Searcher):
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         self.studies[self.group_of[trial_id]].on_trial_result(trial_id, result)
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+    def on_trial_complete(
+        self, trial_id: str, result: dict | None = None, error: bool = False
+    ) -> None:
         group = self.group_of[trial_id]
         self.in_flight[group] -= 1
         self.studies[group].on_trial_complete(trial_id, result=result, error=error)

@@ -22,13 +22,12 @@ data) are deleted; the final checkpoints hold only models.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -46,6 +45,7 @@ from dpivon.orchestration.state_file import RunState
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_tags
 from dpivon.privacy.tuning import solve_trial_epsilon_within
+from dpivon.process import environment_variable
 from dpivon.runs import RunCheckpoint, load_data
 from dpivon.search.callbacks import TRACKING_URI_ENV, tracking_wait_s
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
@@ -205,8 +205,8 @@ class _StopOnSignals:
                 number: signal.signal(number, self._handle) for number in STOP_SIGNALS
             }
             # Tune would take SIGINT over during fit and swallow it; this handler decides.
-            self._tune_sigint = os.environ.get(_TUNE_SIGINT_ENV)
-            os.environ[_TUNE_SIGINT_ENV] = "1"
+            self._environment = ExitStack()
+            self._environment.enter_context(environment_variable(_TUNE_SIGINT_ENV, "1"))
             _StopOnSignals.active = self
         return self
 
@@ -217,10 +217,7 @@ class _StopOnSignals:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         signal.signal(signal.SIGUSR1, self._usr1)
-        if self._tune_sigint is None:
-            os.environ.pop(_TUNE_SIGINT_ENV, None)
-        else:
-            os.environ[_TUNE_SIGINT_ENV] = self._tune_sigint
+        self._environment.close()
 
     @contextmanager
     def tuning(self) -> Iterator[None]:
@@ -434,14 +431,15 @@ def run_sweep(
         SWEEP_DIR_TAG: storage.uri,
         **noise_tags(pipeline.research_mode),
     }
-    with _StopOnSignals() as stop:
+    # Restored Tune callbacks hold the redacted URI; they read the real one from the
+    # environment, for the sweep's time only.
+    real_uri = environment_variable(TRACKING_URI_ENV, tracker.tracking_uri)
+    with _StopOnSignals() as stop, real_uri:
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
             state = previous or _record_new_sweep(
                 pipeline, storage, tracker, parent, trial_epsilons, counts
             )
-            # Restored Tune callbacks hold the redacted URI; they read the real one from here.
-            os.environ[TRACKING_URI_ENV] = tracker.tracking_uri
             console.print(
                 f"sweep {pipeline.name!r}{' (resumed)' if previous else ''}: MLflow "
                 f"{tracker.display_uri}, experiment {state.experiment!r}, parent run "

@@ -22,7 +22,6 @@ from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
 from dpivon.study.significance import (
     UNKNOWN,
     Difference,
-    Interval,
     mean_interval,
     seed_difference,
     verdict_word,
@@ -221,10 +220,8 @@ class Comparison:
     better: str  # "max" or "min": the direction in which the metric improves
     best: str
     best_mean: float
-    best_interval: Interval
     second: str | None
     second_mean: float
-    second_interval: Interval
     difference: Difference | None  # None without a runner-up
 
     @property
@@ -268,10 +265,8 @@ def compare(
         better,
         best,
         float(ranked.iloc[0]),
-        mean_interval(list(values[best].values())),
         second,
         math.nan if second is None else float(ranked.iloc[1]),
-        UNKNOWN if second is None else mean_interval(list(values[second].values())),
         None if second is None else seed_difference(values[best], values[second]),
     )
 

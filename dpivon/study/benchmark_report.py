@@ -283,9 +283,8 @@ def mean_with_interval(
     if math.isinf(mean):
         return "inf"
     text = f"{mean * scale:.{decimals}f}"
-    if math.isnan(low) or math.isnan(high):
-        return text
-    return f"{text} [{low * scale:.{decimals}f}, {high * scale:.{decimals}f}]"
+    interval = Interval(low, high)
+    return f"{text} {_interval_text(interval, scale, decimals)}" if interval.known else text
 
 
 # columns that describe the runs rather than score them: their mean alone

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 import numpy as np
@@ -27,8 +27,11 @@ from mlflow.entities import LoggedModelStatus, Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.paths import check_regular_file, check_writable
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "dpivon"
@@ -132,9 +135,8 @@ class Tracker:
                 )
             )
         except (MlflowException, ImportError, OSError) as err:  # a store MLflow cannot use
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             raise DpivonError(
-                f"cannot use the tracking URI {self.display_uri}: {first_line[:300]} (use "
+                f"cannot use the tracking URI {self.display_uri}: {first_line(err)} (use "
                 "sqlite:///mlflow.db, a file path, or http(s)://host:port of an MLflow server)"
             ) from None
 
@@ -225,7 +227,7 @@ class Tracker:
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
+    def log_figure(self, run_id: str, figure: Figure, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:

@@ -8,7 +8,7 @@ from typing import BinaryIO
 import torch
 
 from dpivon.config import TrainConfig
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.evaluation import Posterior
 from dpivon.models import build_model
 from dpivon.saved_files import FORMAT_VERSION, read_saved, versioned
@@ -43,6 +43,7 @@ def load_model_file(path: str | Path) -> tuple[TrainConfig, torch.nn.Module, Pos
         model.load_state_dict(state["model_state"])
         posterior = Posterior.from_state_dict(state["posterior"]) if state["posterior"] else None
     except (ValueError, KeyError, RuntimeError) as err:  # edited by hand, or another model's
-        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DpivonError(f"model file {path} does not hold a model dpivon saved: {line}") from None
+        raise DpivonError(
+            f"model file {path} does not hold a model dpivon saved: {first_line(err)}"
+        ) from None
     return config, model, posterior

@@ -22,7 +22,7 @@ from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from dpivon.config import TrainConfig
 from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE
 from dpivon.data.images import model_input as model_input_tensor
-from dpivon.errors import DpivonError
+from dpivon.errors import DpivonError, first_line
 from dpivon.evaluation import Posterior
 from dpivon.prediction import predict_with_uncertainty, predictions_frame
 from dpivon.privacy.noise import noise_tags
@@ -162,8 +162,7 @@ def load_pyfunc(model_uri: str, tracking_uri: str | None = None) -> mlflow.pyfun
         with fluent_tracking_uri(resolve_tracking_uri(tracking_uri)):
             return mlflow.pyfunc.load_model(model_uri)
     except (MlflowException, OSError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-        raise DpivonError(f"cannot load the model {model_uri}: {first_line[:300]}") from None
+        raise DpivonError(f"cannot load the model {model_uri}: {first_line(err)}") from None
 
 
 def load_scored_model(
