@@ -1,11 +1,14 @@
 """What dpivon's entry points (the CLI, a Ray trial) set up before they run: the known,
-understood warnings and library chatter off. Library modules never do this at import."""
+understood warnings and library chatter off. Library modules never do this at import; a
+library call that must quiet a logger does it for its own time (:func:`logger_level`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _KNOWN_WARNINGS = (
     "Secure RNG turned off",  # Opacus's own secure RNG (torchcsprng); ours: privacy.noise
@@ -28,3 +31,15 @@ def quiet_known_output() -> None:
     # dp_accounting warns for every fractional Renyi order whose series does not converge at
     # large sampling rates; it drops those orders, which only loosens the bound
     logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+@contextmanager
+def logger_level(name: str, level: int) -> Iterator[None]:
+    """The logger ``name`` at ``level`` inside the block, at its own level after it."""
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

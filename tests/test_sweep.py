@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -39,7 +40,7 @@ from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.results import TrialStatus
-from dpivon.search.sweep import TUNE_EXPERIMENT, SweepState, run_sweep
+from dpivon.search.sweep import TUNE_EXPERIMENT, TUNE_SETTINGS, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.model_file import load_model_file
 
@@ -69,9 +70,11 @@ def finished_sweep(tmp_path_factory):
 
 
 def test_a_sweep_leaves_the_process_environment_as_it_found_it(finished_sweep):
-    # the real tracking URI (a password in it) and Tune's SIGINT switch are the sweep's own
+    # the real tracking URI (a password in it), Tune's switches and its quiet loggers are the
+    # sweep's own
     assert TRACKING_URI_ENV not in os.environ
-    assert "TUNE_DISABLE_SIGINT_HANDLER" not in os.environ
+    assert not {"TUNE_DISABLE_SIGINT_HANDLER", *TUNE_SETTINGS} & os.environ.keys()
+    assert logging.getLogger("ray.tune").level != logging.CRITICAL
 
 
 def test_sweep_records_parent_children_and_pareto(finished_sweep):

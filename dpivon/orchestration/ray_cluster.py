@@ -7,11 +7,11 @@ import os
 import socket
 import time
 
-import optuna
 import ray
 import torch
 
 from dpivon.errors import DpivonError
+from dpivon.logs import logger_level
 from dpivon.orchestration.run_file import Resources
 
 RAY_CONNECT_TIMEOUT_S = 10.0  # Ray itself retries an unreachable address for minutes
@@ -39,12 +39,6 @@ def _check_reachable(address: str) -> None:
 def init_ray(address: str | None) -> bool:
     """Connect to the cluster at ``address`` (else $RAY_ADDRESS, else start a local Ray);
     True when this joined an existing cluster, whose nodes may still be joining."""
-    # Trial failures are reported by SweepProgress in one line and recorded in MLflow;
-    # Tune's own tracebacks and state messages would bury them.
-    logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables at all
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # resumable within a second
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
@@ -58,13 +52,13 @@ def init_ray(address: str | None) -> bool:
             # warns about that default at every start: nothing there for the user to do.
             # (RAY_AUTH_MODE=token set here instead would come after Ray read its config.)
             # "local" starts a cluster of this process's own even beside a `ray start` one.
-            logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
+            with logger_level(RAY_AUTH_LOGGER, logging.ERROR):
+                ray.init(
+                    address=address,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise DpivonError(f"cannot connect to the Ray cluster at {address}: {err}") from None
     return bool(address) and address != "local"

@@ -21,7 +21,9 @@ data) are deleted; the final checkpoints hold only models.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -31,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import optuna
 import pandas as pd
 from ray import tune
 from rich.console import Console
@@ -38,6 +41,7 @@ from rich.console import Console
 from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
+from dpivon.logs import logger_level
 from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
@@ -162,6 +166,31 @@ def _run_trials(
     console.print(f"{len(groups)} groups, {how_many}, {concurrency} at a time")
     with stop.tuning():
         tuner.fit()
+
+
+# Read by Tune when it runs; a value the user set stands.
+TUNE_SETTINGS = {
+    "RAY_AIR_NEW_OUTPUT": "0",  # with verbose=0: no Tune tables at all
+    "TUNE_GLOBAL_CHECKPOINT_S": "1",  # the experiment's state saved within a second: resumable
+}
+
+
+@contextmanager
+def _tune_settings() -> Iterator[None]:
+    """What the sweep's Tune run needs of the process, for its time only: TUNE_SETTINGS,
+    and Tune's and Optuna's chatter off (SweepProgress reports a failed trial in one line and
+    MLflow records it; Tune's tracebacks and state messages would bury it)."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with ExitStack() as settings:
+            for name, value in TUNE_SETTINGS.items():
+                if name not in os.environ:
+                    settings.enter_context(environment_variable(name, value))
+            settings.enter_context(logger_level("ray.tune", logging.CRITICAL))
+            yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
@@ -452,7 +481,10 @@ def run_sweep(
                         "made again from the MLflow record"
                     )
                 else:
-                    _run_trials(pipeline, groups, data, state, storage, tracker, concurrency, stop)
+                    with _tune_settings():
+                        _run_trials(
+                            pipeline, groups, data, state, storage, tracker, concurrency, stop
+                        )
                 if stop.received is not None:
                     raise SweepInterrupted(stop.received)
                 _close_lost_trials(tracker, parent)
