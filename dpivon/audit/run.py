@@ -27,8 +27,8 @@ from dpivon.runs import (
     PhaseTimes,
     StepCallback,
     TrainingRun,
+    global_generators_restored,
     load_data,
-    seeded_global_generators,
 )
 
 
@@ -212,7 +212,7 @@ def scored_run(
     (noise off for the control) and score them from the privatised gradients."""
     # a constant learning rate, as documented in run_audit
     config = config.replace(lr_schedule="constant")
-    with seeded_global_generators(config.runtime.seed):
+    with global_generators_restored():
         run = TrainingRun.set_up(config, data, PhaseTimes(), on_step)
         private = run.setup.private
         plan = private.plan

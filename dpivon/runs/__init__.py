@@ -25,11 +25,11 @@ from dpivon.runs.setup import (
     check_batch,
     check_fits,
     check_plan_reachable,
+    global_generators_restored,
     load_data,
     privacy_plan,
     resolve_device,
     seed_everything,
-    seeded_global_generators,
     synthetic_sizes,
     train_step,
 )
@@ -38,7 +38,7 @@ __all__ = [
     "NOT_COVERED_METRICS", "PHASES", "EpochReport", "PhaseTimes", "RunCheckpoint",
     "StepCallback", "StepReport", "TrainResult", "TrainingDiverged", "TrainingRun",
     "TrainingSetup", "ValidationScores", "build_training", "check_batch", "check_fits",
-    "check_plan_reachable",
-    "load_data", "privacy_plan", "releasable_state", "released_metrics", "resolve_device",
-    "seed_everything", "seeded_global_generators", "synthetic_sizes", "train", "train_step",
+    "check_plan_reachable", "global_generators_restored", "load_data", "privacy_plan",
+    "releasable_state", "released_metrics", "resolve_device", "seed_everything",
+    "synthetic_sizes", "train", "train_step",
 ]  # fmt: skip

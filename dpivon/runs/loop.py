@@ -33,11 +33,12 @@ from dpivon.runs.result import (
 from dpivon.runs.setup import (
     TrainingSetup,
     build_training,
+    global_generators_restored,
     load_data,
     lr_scheduler,
     parameters_finite,
     resolve_device,
-    seeded_global_generators,
+    seed_everything,
     train_step,
 )
 
@@ -120,8 +121,10 @@ class TrainingRun:
         phases: PhaseTimes,
         on_step: StepCallback | None,
     ) -> TrainingRun:
-        """Device, data (phase "data"), model, optimizer and privacy ("setup"); inside
-        :func:`seeded_global_generators` of the run's seed."""
+        """Seeds, device, data (phase "data"), model, optimizer and privacy ("setup"). The
+        seeds are the global generators': its callers run it inside
+        :func:`global_generators_restored`."""
+        seed_everything(config.runtime.seed)
         device = resolve_device(config.runtime.device)
         phases.device = device
         with phases.phase("data"):
@@ -288,7 +291,7 @@ def train(
     ``extra_validation`` adds its scores of the model and posterior to each epoch's
     validation scores (``val_<key>``)."""
     started = time.perf_counter()
-    with seeded_global_generators(config.runtime.seed):
+    with global_generators_restored():
         phases = phases if phases is not None else PhaseTimes()
         run = TrainingRun.set_up(config, data, phases, on_step)
         run.extra_validation = extra_validation

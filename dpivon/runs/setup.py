@@ -44,15 +44,14 @@ def seed_everything(seed: int) -> None:
 
 
 @contextmanager
-def seeded_global_generators(seed: int) -> Iterator[None]:
-    """The global generators (Python's, numpy's, torch's) seeded with ``seed`` inside the
-    block, and as they were after it. A run seeds them because what it draws through them
-    (the model's initialisation, IVON's weight noise) must repeat; its caller keeps its own
-    streams. CUDA's generators are restored where CUDA was in use before the block."""
+def global_generators_restored() -> Iterator[None]:
+    """The global generators (Python's, numpy's, torch's) as they were before the block,
+    after it. A run seeds them (:func:`seed_everything`) because what it draws through them,
+    the model's initialisation and IVON's weight noise, must repeat; its caller keeps its
+    own streams. CUDA's generators are restored where CUDA was in use before the block."""
     python, numpy = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        seed_everything(seed)
         try:
             yield
         finally:
