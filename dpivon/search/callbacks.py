@@ -282,7 +282,9 @@ class MlflowTrialLogger(tune.Callback):
 
     # --- Tune's events ------------------------------------------------------------------
 
-    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+    def on_trial_start(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         self.started.add(trial.trial_id)
         self._queue(
             trial,
@@ -291,7 +293,9 @@ class MlflowTrialLogger(tune.Callback):
             tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: TrialStatus.RUNNING},
         )
 
-    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+    def on_trial_result(
+        self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info: Any
+    ) -> None:
         if result.get(REPLAYED):
             return  # logged with its checkpoint before the trial was restored from it
         if trial.trial_id not in self.configured and TRIAL_CONFIG in result:
@@ -320,14 +324,25 @@ class MlflowTrialLogger(tune.Callback):
         for write in self.unsaved.pop(trial.trial_id, []):
             self.pending.append({"trial": trial.trial_id, "op": "metrics", **write})
 
-    def on_checkpoint(self, iteration, trials, trial, checkpoint, **info) -> None:
+    def on_checkpoint(
+        self,
+        iteration: int,
+        trials: list[Trial],
+        trial: Trial,
+        checkpoint: tune.Checkpoint,
+        **info: Any,
+    ) -> None:
         self._log_saved(trial)
 
-    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+    def on_trial_recover(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         # it retries from its last registered checkpoint: the epochs after it run again
         self.unsaved.pop(trial.trial_id, None)
 
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+    def on_trial_complete(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         self._log_saved(trial)  # nothing runs it again: what it reported is its record
         result = trial.last_result or {}
         if result.get(DIVERGED):
@@ -340,7 +355,9 @@ class MlflowTrialLogger(tune.Callback):
             tags[CHECKPOINT_TAG] = self.storage.uri_of(trial.checkpoint.path)
         self._queue(trial, "end", tags=tags, status="FINISHED")
 
-    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+    def on_trial_error(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         if trial.trial_id not in self.started:
             # Its actor died before it started (out of memory, a lost node): Tune reports
             # the error without a start, so the run is opened here, to be closed FAILED.
@@ -349,10 +366,10 @@ class MlflowTrialLogger(tune.Callback):
         tags = {STATUS_TAG: TrialStatus.FAILED, ERROR_TAG: trial_error(trial)}
         self._queue(trial, "end", tags=tags, status="FAILED")
 
-    def on_step_end(self, iteration, trials, **info) -> None:
+    def on_step_end(self, iteration: int, trials: list[Trial], **info: Any) -> None:
         self._flush()  # drains the queue once the store is back, between events too
 
-    def on_experiment_end(self, trials, **info) -> None:
+    def on_experiment_end(self, trials: list[Trial], **info: Any) -> None:
         self._flush(wait_s=tracking_wait_s())
         if self.pending:
             raise TrackingUnavailable(
@@ -459,7 +476,9 @@ class SweepProgress(tune.Callback):
             highlight=False,
         )
 
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+    def on_trial_complete(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         result = trial.last_result or {}
         if result.get(DIVERGED):
             what, outcome = f"[red]diverged[/] ({result.get(DIVERGED_ERROR)})", FAILED
@@ -472,11 +491,15 @@ class SweepProgress(tune.Callback):
             what, outcome = "stopped early (ASHA)", STOPPED
         self._line(trial, what, trials, outcome)
 
-    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+    def on_trial_recover(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         # a failed attempt (a lost node, a crash) that Tune retries (FailureConfig)
         self._line(
             trial, f"[yellow]retried[/] from its last checkpoint ({trial_error(trial)})", trials
         )
 
-    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+    def on_trial_error(
+        self, iteration: int, trials: list[Trial], trial: Trial, **info: Any
+    ) -> None:
         self._line(trial, f"[red]failed[/] ({trial_error(trial)})", trials, FAILED)

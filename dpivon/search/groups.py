@@ -21,11 +21,12 @@ import dataclasses
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from ray import tune
 from ray.tune.callback import CallbackList
+from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
@@ -48,6 +49,9 @@ from dpivon.search.results import (
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
 from dpivon.tracking.client import redact_uri
+
+if TYPE_CHECKING:
+    from ray.tune.execution.tune_controller import TuneController
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,9 @@ class GroupSearcher(Searcher):
         self.group_of: dict[str, str] = {}  # Tune trial id -> group
         self.counted_recorded = True  # False after a restore, until MLflow's trials count
 
-    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+    def set_search_properties(
+        self, metric: str | None, mode: str | None, config: dict, **spec: Any
+    ) -> bool:
         return True  # each study has its own metrics, modes and space
 
     def suggest(self, trial_id: str) -> dict | str | None:
@@ -227,25 +233,27 @@ class GroupScheduler(FIFOScheduler):
         super().__init__()
         self.schedulers = schedulers
 
-    def set_search_properties(self, metric, mode, **spec) -> bool:
+    def set_search_properties(self, metric: str | None, mode: str | None, **spec: Any) -> bool:
         return True  # each group's scheduler has its own metric and mode
 
     def _of(self, trial) -> TrialScheduler:
         return self.schedulers[trial.config[GROUP_KEY]]
 
-    def on_trial_add(self, tune_controller, trial) -> None:
+    def on_trial_add(self, tune_controller: TuneController, trial: Trial) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
 
-    def on_trial_error(self, tune_controller, trial) -> None:
+    def on_trial_error(self, tune_controller: TuneController, trial: Trial) -> None:
         self._of(trial).on_trial_error(tune_controller, trial)
 
-    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+    def on_trial_result(self, tune_controller: TuneController, trial: Trial, result: dict) -> str:
         return self._of(trial).on_trial_result(tune_controller, trial, result)
 
-    def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
+    def on_trial_complete(
+        self, tune_controller: TuneController, trial: Trial, result: dict
+    ) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
 
-    def on_trial_remove(self, tune_controller, trial) -> None:
+    def on_trial_remove(self, tune_controller: TuneController, trial: Trial) -> None:
         self._of(trial).on_trial_remove(tune_controller, trial)
 
     def debug_string(self) -> str:
@@ -280,40 +288,40 @@ class GroupCallbacks(tune.Callback):
         callbacks = self.groups[trial.config[GROUP_KEY]]
         getattr(callbacks, hook)(**{**info, "trial": _GroupTrial(trial)})
 
-    def setup(self, **info):
+    def setup(self, **info: Any) -> None:
         self._all("setup", info)
 
-    def on_step_begin(self, **info):
+    def on_step_begin(self, **info: Any) -> None:
         self._all("on_step_begin", info)
 
-    def on_step_end(self, **info):
+    def on_step_end(self, **info: Any) -> None:
         self._all("on_step_end", info)
 
-    def on_experiment_end(self, **info):
+    def on_experiment_end(self, **info: Any) -> None:
         self._all("on_experiment_end", info)
 
-    def on_trial_start(self, **info):
+    def on_trial_start(self, **info: Any) -> None:
         self._one("on_trial_start", info)
 
-    def on_trial_restore(self, **info):
+    def on_trial_restore(self, **info: Any) -> None:
         self._one("on_trial_restore", info)
 
-    def on_trial_save(self, **info):
+    def on_trial_save(self, **info: Any) -> None:
         self._one("on_trial_save", info)
 
-    def on_trial_result(self, **info):
+    def on_trial_result(self, **info: Any) -> None:
         self._one("on_trial_result", info)
 
-    def on_trial_complete(self, **info):
+    def on_trial_complete(self, **info: Any) -> None:
         self._one("on_trial_complete", info)
 
-    def on_trial_recover(self, **info):
+    def on_trial_recover(self, **info: Any) -> None:
         self._one("on_trial_recover", info)
 
-    def on_trial_error(self, **info):
+    def on_trial_error(self, **info: Any) -> None:
         self._one("on_trial_error", info)
 
-    def on_checkpoint(self, **info):
+    def on_checkpoint(self, **info: Any) -> None:
         self._one("on_checkpoint", info)
 
     def get_state(self) -> dict:

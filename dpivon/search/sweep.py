@@ -281,7 +281,7 @@ class _StopOnSignals:
 class StopWhenSaved(tune.Callback):
     """Lets the driver's signal handling stop Tune between steps (see _StopOnSignals)."""
 
-    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
         if _StopOnSignals.active is not None:
             _StopOnSignals.active.stop_tune_once_saved(trials)
 
