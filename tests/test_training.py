@@ -182,7 +182,9 @@ def _global_generator_states() -> tuple:
 
 
 def test_a_run_leaves_its_callers_global_generators_as_they_were():
-    config = parse_config({**SMALL, "optimizer": "dp-ivon-gradsq", "research_mode": True})
+    config = parse_config(
+        {**SMALL, "optimizer": "dp-ivon-gradsq", "research_mode": True, "epochs": 1}
+    )
     data = load_data(config)
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     before = _global_generator_states()
