@@ -180,17 +180,14 @@ def _tune_settings() -> Iterator[None]:
     """What the sweep's Tune run needs of the process, for its time only: TUNE_SETTINGS,
     and Tune's and Optuna's chatter off (SweepProgress reports a failed trial in one line and
     MLflow records it; Tune's tracebacks and state messages would bury it)."""
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with ExitStack() as settings:
-            for name, value in TUNE_SETTINGS.items():
-                if name not in os.environ:
-                    settings.enter_context(environment_variable(name, value))
-            settings.enter_context(logger_level("ray.tune", logging.CRITICAL))
-            yield
-    finally:
-        optuna.logging.set_verbosity(verbosity)
+    with ExitStack() as settings:
+        settings.callback(optuna.logging.set_verbosity, optuna.logging.get_verbosity())
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        for name, value in TUNE_SETTINGS.items():
+            if name not in os.environ:
+                settings.enter_context(environment_variable(name, value))
+        settings.enter_context(logger_level("ray.tune", logging.CRITICAL))
+        yield
 
 
 def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[SweepGroup]) -> bool:
