@@ -302,10 +302,11 @@ def test_research_mode_is_said_once_on_the_console_of_every_command_that_trains(
             mode = "--research-mode" if research else "--no-research-mode"
             return [
                 *SYNTHETIC_TRAIN,
+                "--model=small-cnn",
                 "--set",
-                "synthetic_size=330",
+                "synthetic_size=100",
                 "--set",
-                "val_size=30",
+                "val_size=10",
                 "--batch-size=30",
                 "--bma-samples=0",
                 mode,

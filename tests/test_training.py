@@ -49,18 +49,29 @@ REQUIRED_KEYS = {
     "mlflow_run_id",
 }
 runner = CliRunner()
-# one epoch on 180 synthetic images: seconds
-TINY = ["--epochs", "1", "--set", "synthetic_size=200"]
 
 
 def cli(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=True)
 
 
-def small_flags(tmp_path) -> list[str]:
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One MLflow store for the module's runs that can share one: its migrations cost more
+    than a tiny run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+
+
+def small_flags(
+    tmp_path, size: int = SMALL["synthetic_size"], store: str | None = None
+) -> list[str]:
+    """`dpivon train`'s flags for SMALL's data and model, logging into ``store`` (default: a
+    new one in ``tmp_path``)."""
     return [
         "--dataset",
         "synthetic",
+        "--set",
+        f"synthetic_size={size}",
         "--model",
         "small-cnn",
         "--batch-size",
@@ -68,17 +79,17 @@ def small_flags(tmp_path) -> list[str]:
         "--bma-samples",
         "4",
         "--tracking-uri",
-        f"sqlite:///{tmp_path}/mlflow.db",
+        store or f"sqlite:///{tmp_path}/mlflow.db",
     ]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZER_NAMES)
-def test_cli_trains_every_optimizer(tmp_path, optimizer):
+def test_cli_trains_every_optimizer(tmp_path, store, optimizer):
     out = tmp_path / "out.json"
     budget = ["--epsilon", "8"] if OPTIMIZERS[optimizer].private else []  # else inf
     result = cli(
         "train",
-        *small_flags(tmp_path),
+        *small_flags(tmp_path, store=store),
         "--optimizer",
         optimizer,
         *budget,
@@ -102,11 +113,11 @@ def test_cli_trains_every_optimizer(tmp_path, optimizer):
     trained = torch.load(tmp_path / "run.ckpt", weights_only=False)["training"]["model"]
     unmoved = [name for name, p in initial.items() if torch.equal(trained[name], p)]
     assert trained.keys() == initial.keys() and not unmoved, f"weights that did not move: {unmoved}"
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client = mlflow.MlflowClient(store)
     run = client.get_run(summary["mlflow_run_id"])
     # Values, not ranges: accuracy is a count over the synthetic test images, and what
     # MLflow holds is what the run printed.
-    n_test = len(load_data(parse_config({"dataset": "synthetic"})).test)
+    n_test = len(load_data(parse_config(SMALL)).test)
     correct = summary["test_accuracy"] * n_test
     assert correct == pytest.approx(round(correct), abs=1e-6)
     for key in ("test_accuracy", "test_ece", "test_nll", "test_brier"):
@@ -140,7 +151,7 @@ def test_logged_model_reproduces_bma_predictions(tmp_path):
     summary = json.loads(out.read_text())
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     model = mlflow.pyfunc.load_model(f"runs:/{summary['mlflow_run_id']}/model")
-    data = load_data(parse_config({"dataset": "synthetic", "model": "small-cnn"}))
+    data = load_data(parse_config(SMALL))
     images, labels = data.test.tensors
     # the training tensors are CIFAR-normalised already (raw images: tests/test_serving.py)
     rows = model.predict(images.numpy(), params={"cifar_normalised": True})
@@ -342,17 +353,12 @@ def test_what_cannot_be_private_is_refused_before_anything_starts(tmp_path, flag
     assert not (tmp_path / "mlflow.db").exists()
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    """One MLflow store for the runs below: its migrations cost more than a tiny run."""
-    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
-
-
 def _train(tmp_path, store: str, *flags: str):
     """`dpivon train` on tiny data into ``store``; its exit code and its logged run."""
     out = tmp_path / "out.json"
-    result = cli("train", *small_flags(tmp_path)[:-2], *TINY, *flags, "--no-log-model",
-                 "--tracking-uri", store, "--json", str(out))  # fmt: skip
+    # one epoch on 180 synthetic images: seconds
+    result = cli("train", *small_flags(tmp_path, size=200, store=store), "--epochs", "1", *flags,
+                 "--no-log-model", "--json", str(out))  # fmt: skip
     assert result.exit_code == 0, result.output
     run_id = json.loads(out.read_text())["mlflow_run_id"]
     return result, mlflow.MlflowClient(store).get_run(run_id)
