@@ -352,7 +352,7 @@ def test_report_shift_blocks_plot_and_table_ece_and_selective_prediction_by_seve
     # paired by seed like the clean metrics: beta's ECE at severity 3 is 0.03 above alpha's
     # on every seed, a difference without spread: no interval, no verdict (a zero-width
     # interval would call it certain); so are the equal accuracies
-    row = "| 1 | ECE at shift severity 3 | alpha | beta | +0.030 | - | - | 3 | unknown |"
+    row = "| 1 | ECE at shift severity 3 | alpha | beta | +0.030 | - | - | - | 3 | unknown |"
     assert row in markdown
     assert "| 1 | accuracy at shift severity 3 (points) | alpha | beta | +0.0 |" in markdown
     plain = build_report("Benchmark hand", hand_records(), method_order=["alpha", "beta"])

@@ -11,8 +11,13 @@ import pytest
 from scipy import stats
 
 from dpivon.study.aggregate import RunRecord, compare, records_frame
-from dpivon.study.benchmark_report import verdict_lines
-from dpivon.study.significance import mean_interval, seed_difference, verdict_word
+from dpivon.study.benchmark_report import difference_rows, verdict_lines
+from dpivon.study.significance import (
+    holm_adjusted,
+    mean_interval,
+    seed_difference,
+    verdict_word,
+)
 
 
 def _records(accuracies: dict[str, list[float]]) -> list[RunRecord]:
@@ -219,3 +224,29 @@ def test_spearmans_p_value_is_the_exact_permutation_one_at_a_handful_of_picks():
         / 120
     )
     assert agreement.spearman_p > stats.spearmanr([5, 4, 3, 2, 1], [5, 3, 4, 2, 1]).pvalue
+
+
+def test_holm_adjusts_a_family_step_down_and_leaves_unknown_p_values_out():
+    # sorted: 0.0063 x 5, 0.014 x 4, 0.04 x 3, 0.21 x 2, 0.31 x 1 (raised to the 0.42 before
+    # it: the adjusted values never decrease); the NaN is no comparison and does not count
+    adjusted = holm_adjusted([0.21, 0.04, 0.31, 0.014, math.nan, 0.0063])
+    assert adjusted[:4] + adjusted[5:] == pytest.approx([0.42, 0.12, 0.42, 0.056, 0.0315])
+    assert math.isnan(adjusted[4])
+    assert holm_adjusted([0.3, 0.2]) == pytest.approx([0.4, 0.4])  # 0.3 raised to 0.2 x 2
+    assert holm_adjusted([]) == []
+
+
+def test_the_differences_table_gives_each_comparison_its_holm_p_within_its_family():
+    best = [0.60, 0.62, 0.61, 0.63]
+    b = [0.59, 0.60, 0.60, 0.61]  # trails best by 1.5 points, a spread of 0.6
+    c = [0.55, 0.58, 0.54, 0.59]  # trails best by 5 points
+    runs = records_frame(_records({"best": best, "b": b, "c": c}))
+    metrics = [("test_accuracy", "accuracy (points)", 100.0, 1)]
+    header, rows = difference_rows(runs, ["best", "b", "c"], metrics)
+    assert header[6:8] == ["p", "p (Holm)"]
+    p_b = stats.ttest_rel(b, best).pvalue
+    p_c = stats.ttest_rel(c, best).pvalue
+    assert p_c < p_b  # c's is the smaller: times 2, b's times 1 (unless below c's)
+    holm = {row[3]: float(row[7]) for row in rows}
+    assert holm["c"] == pytest.approx(2 * p_c, rel=0.05)
+    assert holm["b"] == pytest.approx(max(p_b, 2 * p_c), rel=0.05)

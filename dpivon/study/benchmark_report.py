@@ -49,6 +49,7 @@ from dpivon.study.significance import (
     Difference,
     Interval,
     RankAgreement,
+    holm_adjusted,
     rank_agreement,
     seed_difference,
     verdict_word,
@@ -68,7 +69,9 @@ STATISTICS_RULE = (
     'are "indistinguishable" at that number of seeds (`dpivon.study.significance`). The '
     "pairs are replicate k of each method, fixed before the runs: they share the split and "
     "the test images, not their randomness, so the paired test is valid and, at a few "
-    "seeds, conservative."
+    "seeds, conservative. The verdicts judge each comparison alone; p (Holm) adjusts each "
+    "p-value for the other comparisons of its metric and epsilon (Holm's step-down): a "
+    "verdict whose Holm p exceeds 0.05 may be one of the family's chance findings."
 )
 TEMPERATURE_NOTE = (
     "NLL (TS) and ECE (TS) are after post-hoc temperature scaling (`dpivon.calibration`): "
@@ -412,8 +415,10 @@ def difference_rows(
 ) -> tuple[list[str], list[list[str]]]:
     """Every method against the best one, per epsilon and metric (column, label, scale,
     decimals; ``directions`` says which way each improves): the difference (method minus
-    best), its 95 % interval, the test's p-value, the seeds and the verdict word."""
-    header = ["eps", "metric", "best", "method", "difference", "95 % CI", "p", "seeds", "verdict"]
+    best), its 95 % interval, the test's p-value, that p-value adjusted by Holm's method over
+    the comparisons of the same epsilon and metric, the seeds and the verdict word."""
+    header = ["eps", "metric", "best", "method", "difference", "95 % CI", "p", "p (Holm)",
+              "seeds", "verdict"]  # fmt: skip
     rows = []
     for eps in sorted(set(runs["epsilon"])):
         for metric, label, scale, decimals in metrics:
@@ -422,14 +427,18 @@ def difference_rows(
                 continue
             best = comparison.best
             reference = seed_values(runs, best, eps, metric)
+            family = []  # (method, difference) of this epsilon and metric
             for method in methods:
                 values = seed_values(runs, method, eps, metric)
                 if method == best or not np.isfinite(list(values.values())).any():
                     continue
-                d = seed_difference(values, reference)
+                family.append((method, seed_difference(values, reference)))
+            adjusted = holm_adjusted([d.p_value for _, d in family])
+            for (method, d), holm in zip(family, adjusted, strict=True):
                 word = verdict_word(d, comparison.better)
                 word = "trails the best" if word == "trails" else word
                 cells = _difference_cells(d, scale, decimals, word)
+                cells.insert(3, "-" if math.isnan(holm) else f"{holm:.2g}")
                 rows.append([f"{eps:g}", label, best, method, *cells])
     return header, rows
 

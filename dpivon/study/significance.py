@@ -14,6 +14,9 @@ The words a report may use follow from the interval of the difference: a method 
 only where that interval excludes 0; otherwise the two are *indistinguishable* at that
 number of seeds. With 2 seeds the t quantile is 12.7, so only a gap many times the seeds'
 spread is a lead: that is what 2 seeds can say.
+A report makes several such comparisons at once (every method against the best, per metric);
+:func:`holm_adjusted` gives their p-values corrected for that number (Holm's step-down,
+which bounds the chance of any false lead in the family at 5 %).
 
 Whether a tuning sweep predicted the final runs is a rank correlation (Spearman's rho,
 Kendall's tau) between each pick's tuning score and its final score (:func:`rank_agreement`).
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 CONFIDENCE = 0.95
 # Spearman's permutation test: exact (every pairing) up to 8 items, else this many draws
@@ -120,6 +124,18 @@ def _difference(mean: float, result, seeds: int, paired: bool) -> Difference:
     interval = _spread_interval(float(bounds.low), float(bounds.high), mean)
     p_value = float(result.pvalue) if interval.known else math.nan
     return Difference(mean, interval, p_value, seeds, paired)
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """``p_values`` of one family of comparisons, adjusted by Holm's step-down method
+    (statsmodels' ``multipletests``); NaN ones (no interval) stay NaN and do not count."""
+    adjusted = [math.nan] * len(p_values)
+    known = [i for i, p in enumerate(p_values) if not math.isnan(p)]
+    if known:
+        corrected = multipletests([p_values[i] for i in known], method="holm")[1]
+        for i, p in zip(known, corrected, strict=True):
+            adjusted[i] = float(p)
+    return adjusted
 
 
 def verdict_word(difference: Difference, better: str) -> str:
