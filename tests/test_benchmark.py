@@ -24,6 +24,7 @@ import ray
 import torch
 import yaml
 from damaged_files import DAMAGED_CHECKPOINTS, torch_bytes
+from scipy import stats
 from sweep_helpers import store_snapshot
 from typer.testing import CliRunner
 
@@ -56,7 +57,7 @@ from dpivon.study.benchmark import (
 )
 from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
-from dpivon.study.shift_report import add_shift_blocks
+from dpivon.study.shift_report import add_shift_blocks, cross_reference_rows
 from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.model_file import load_model_file, save_model_file
@@ -315,6 +316,9 @@ def test_report_says_what_privacy_costs_under_shift_against_each_methods_referen
         in (verdict[0])
     )
     assert verdict[0] in markdown and "<strong>alpha</strong> (0.014) leads" in report.html()
+    # across references: alpha's cost against ref-a minus beta's against ref-b, one pair
+    # per epsilon (its Holm p is its p)
+    assert "| 1 | alpha vs ref-a | beta vs ref-b | -0.017 | [-0.022, -0.012] |" in markdown
 
     # without its reference's runs a method has no cost; with none at all, the report says so
     unmatched = [r for r in records if r.method != "ref-b"]
@@ -1095,3 +1099,27 @@ def test_a_conclusion_now_undefined_is_recorded_as_such_not_left_at_its_old_valu
     metrics = tracker.client.get_run(run_id).data.metrics
     assert math.isnan(metrics["test_ts_ece.eps3.a"]) and "new" not in metrics
     assert [len(tracker.metric_history(run_id, k)) for k in sorted(metrics)] == [1, 2]
+
+
+def test_costs_are_compared_across_references_only_and_holm_adjusted_per_epsilon():
+    """Three methods: a1 and a2 against reference A, b against B. Only the pairs whose
+    references differ are compared, A's method first: (a1, b) and (a2, b); a1's cost is
+    0.02 below b's on every seed but one, a2's the same as b's."""
+    rows = []
+    for seed, (a1, a2, b) in enumerate([(0.10, 0.13, 0.12), (0.11, 0.15, 0.14),
+                                        (0.13, 0.14, 0.15)]):  # fmt: skip
+        for method, cost in (("a1", a1), ("a2", a2), ("b", b)):
+            rows.append({"method": method, "epsilon": 3.0, "replicate": seed,
+                         "ece_cost_s3": cost})  # fmt: skip
+    costs = pd.DataFrame(rows)
+    references = {"a1": "A", "a2": "A", "b": "B"}
+    header, table = cross_reference_rows(costs, ["a1", "a2", "b"], references)
+    assert header[5:7] == ["p", "p (Holm)"]
+    assert [(r[1], r[2]) for r in table] == [("a1 vs A", "b vs B"), ("a2 vs A", "b vs B")]
+    p = {r[1]: float(r[5]) for r in table}
+    holm = {r[1]: float(r[6]) for r in table}
+    expected = stats.ttest_rel([0.10, 0.11, 0.13], [0.12, 0.14, 0.15]).pvalue
+    assert p["a1 vs A"] == pytest.approx(expected, rel=0.05)
+    assert holm["a1 vs A"] == pytest.approx(min(1.0, 2 * p["a1 vs A"]), rel=0.05)
+    assert table[0][3] == "-0.023" and table[0][-1] == "leads"
+    assert table[1][-1] == "indistinguishable"

@@ -325,15 +325,19 @@ def _interval_text(interval: Interval, scale: float, decimals: int) -> str:
     return f"[{interval.low * scale:.{decimals}f}, {interval.high * scale:.{decimals}f}]"
 
 
-def _difference_cells(d: Difference, scale: float, decimals: int, word: str) -> list[str]:
-    """A difference's table cells: signed mean, 95 % interval, p-value, seeds, ``word``."""
-    return [
+def difference_cells(
+    d: Difference, scale: float, decimals: int, word: str, holm: float | None = None
+) -> list[str]:
+    """A difference's table cells: signed mean, 95 % interval, p-value, the Holm-adjusted
+    p-value where the table has that column (``holm`` given), seeds, ``word``."""
+    cells = [
         f"{d.mean * scale:+.{decimals}f}",
         _interval_text(d.interval, scale, decimals) if d.interval.known else "-",
         "-" if math.isnan(d.p_value) else f"{d.p_value:.2g}",
-        str(d.seeds),
-        word,
     ]
+    if holm is not None:
+        cells.append("-" if math.isnan(holm) else f"{holm:.2g}")
+    return [*cells, str(d.seeds), word]
 
 
 def _difference_text(d: Difference, scale: float, decimals: int, unit: str) -> str:
@@ -437,8 +441,7 @@ def difference_rows(
             for (method, d), holm in zip(family, adjusted, strict=True):
                 word = verdict_word(d, comparison.better)
                 word = "trails the best" if word == "trails" else word
-                cells = _difference_cells(d, scale, decimals, word)
-                cells.insert(3, "-" if math.isnan(holm) else f"{holm:.2g}")
+                cells = difference_cells(d, scale, decimals, word, holm)
                 rows.append([f"{eps:g}", label, best, method, *cells])
     return header, rows
 
@@ -598,7 +601,7 @@ def _add_known_setting_check(
     header = ["eps", "tuned pick", "fixed setting", "accuracy difference (points)", "95 % CI",
               "p", "seeds", "verdict"]  # fmt: skip
     rows = [
-        [f"{eps:g}", tuned, fixed, *_difference_cells(d, 100.0, 1, verdict_word(d, "max"))]
+        [f"{eps:g}", tuned, fixed, *difference_cells(d, 100.0, 1, verdict_word(d, "max"))]
         for eps, tuned, fixed, d in checks
     ]
     report.blocks += [

@@ -7,8 +7,9 @@ without them is left out, and a report with none says how to get them.
 Where the benchmark names each private method's non-private ``reference``, the section ends
 with what privacy costs under shift: per seed, the accuracy privacy takes and the ECE and
 NLL it adds at each severity against the reference (same replicate), their 95 % intervals,
-and the methods' costs compared (does DP-IVON-Gradsq keep more of IVON's calibration than DP-Adam
-keeps of Adam's?), in the verdict's words.
+and the methods' costs compared: against the least cost, and between every two methods of
+different references (does DP-IVON-Gradsq keep more of IVON's calibration than DP-Adam keeps
+of Adam's?), in the verdict's words.
 
 Kept apart from `dpivon.study.benchmark_report`; `dpivon.study.benchmark` calls
 `add_shift_blocks` once per report: the numbers here are means over seeds with their 95 %
@@ -25,7 +26,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from dpivon.shift import ShiftSet
-from dpivon.study.aggregate import RunRecord, compare, seed_summary, verdict_epsilons
+from dpivon.study.aggregate import (
+    RunRecord,
+    compare,
+    seed_summary,
+    seed_values,
+    verdict_epsilons,
+)
 from dpivon.study.benchmark_report import (
     STATISTICS_RULE,
     Block,
@@ -35,10 +42,12 @@ from dpivon.study.benchmark_report import (
     Report,
     TableBlock,
     comparison_text,
+    difference_cells,
     difference_rows,
     mean_with_interval,
 )
 from dpivon.study.figures import png_bytes
+from dpivon.study.significance import holm_adjusted, seed_difference, verdict_word
 
 SHIFT_PREFIX = "test_shift_s"
 SEVERITY_LEVELS = (0, 1, 2, 3, 4, 5)  # 0: the clean images of the shift set
@@ -285,6 +294,50 @@ def privacy_cost_verdict(costs: pd.DataFrame) -> list[str]:
     return lines
 
 
+CROSS_REFERENCE_NOTE = (
+    "Does a method keep more of its reference's calibration than a method of another "
+    "reference keeps of its own (DP-IVON-Gradsq of IVON's against DP-Adam of Adam's)? Every "
+    "pair of methods whose references differ: the first method's ECE added at severity 3 "
+    'minus the second\'s, seed by seed; "leads": the first loses less calibration to '
+    "privacy. p (Holm) adjusts for the pairs of the epsilon."
+)
+
+
+def cross_reference_rows(
+    costs: pd.DataFrame, methods: Sequence[str], references: Mapping[str, str]
+) -> tuple[list[str], list[list[str]]]:
+    """Every pair of ``methods`` whose references differ (the earlier reference's method
+    first, references ordered as the methods name them), their ECE added at severity 3
+    compared by seed, Holm-adjusted over the pairs of each epsilon."""
+    header = ["eps", "method", "other method", "difference of ECE added at severity 3",
+              "95 % CI", "p", "p (Holm)", "seeds", "verdict"]  # fmt: skip
+    order = list(dict.fromkeys(references[m] for m in methods))
+    rows = []
+    for eps in sorted(set(costs["epsilon"])):
+        present = [m for m in methods if seed_values(costs, m, eps, "ece_cost_s3")]
+        pairs = [
+            (first, second)
+            for first in present
+            for second in present
+            if order.index(references[first]) < order.index(references[second])
+        ]
+        family = [
+            seed_difference(
+                seed_values(costs, first, eps, "ece_cost_s3"),
+                seed_values(costs, second, eps, "ece_cost_s3"),
+            )
+            for first, second in pairs
+        ]
+        adjusted = holm_adjusted([d.p_value for d in family])
+        for (first, second), d, holm in zip(pairs, family, adjusted, strict=True):
+            cells = difference_cells(d, 1.0, 3, verdict_word(d, "min"), holm)
+            rows.append([
+                f"{eps:g}", f"{first} vs {references[first]}",
+                f"{second} vs {references[second]}", *cells,
+            ])  # fmt: skip
+    return header, rows
+
+
 def _add_privacy_cost(
     report: Report,
     shifted: Sequence[RunRecord],
@@ -323,6 +376,9 @@ def _add_privacy_cost(
             TableBlock(header, rows),
             Paragraph(STATISTICS_RULE),
         ]
+    header, rows = cross_reference_rows(costs, costed, references)
+    if rows:
+        report.blocks += [Paragraph(CROSS_REFERENCE_NOTE), TableBlock(header, rows)]
 
 
 def shift_set_text(shift_set: ShiftSet) -> str:
