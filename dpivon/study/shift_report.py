@@ -100,6 +100,13 @@ COST_DIFFERENCES = (
     ("ece_cost_shifted", "ECE added, mean of severities 1-5", 1.0, 3),
     ("accuracy_cost_s3", "accuracy lost at severity 3 (points)", 100.0, 1),
 )
+CROSS_REFERENCE_NOTE = (
+    "Does a method keep more of its reference's calibration than a method of another "
+    "reference keeps of its own (DP-IVON-Gradsq of IVON's against DP-Adam of Adam's)? Every "
+    "pair of methods whose references differ: the first method's ECE added at severity 3 "
+    'minus the second\'s, seed by seed; "leads": the first loses less calibration to '
+    "privacy. p (Holm) adjusts for the pairs of the epsilon."
+)
 COST_NOTE = (
     "What privacy costs under shift: each private method against the non-private method the "
     "benchmark names as its `reference`, seed k of the one beside seed k of the other (the "
@@ -294,15 +301,6 @@ def privacy_cost_verdict(costs: pd.DataFrame) -> list[str]:
     return lines
 
 
-CROSS_REFERENCE_NOTE = (
-    "Does a method keep more of its reference's calibration than a method of another "
-    "reference keeps of its own (DP-IVON-Gradsq of IVON's against DP-Adam of Adam's)? Every "
-    "pair of methods whose references differ: the first method's ECE added at severity 3 "
-    'minus the second\'s, seed by seed; "leads": the first loses less calibration to '
-    "privacy. p (Holm) adjusts for the pairs of the epsilon."
-)
-
-
 def cross_reference_rows(
     costs: pd.DataFrame, methods: Sequence[str], references: Mapping[str, str]
 ) -> tuple[list[str], list[list[str]]]:
@@ -314,7 +312,11 @@ def cross_reference_rows(
     order = list(dict.fromkeys(references[m] for m in methods))
     rows = []
     for eps in sorted(set(costs["epsilon"])):
-        present = [m for m in methods if seed_values(costs, m, eps, "ece_cost_s3")]
+        present = [
+            m
+            for m in methods
+            if np.isfinite(list(seed_values(costs, m, eps, "ece_cost_s3").values())).any()
+        ]
         pairs = [
             (first, second)
             for first in present
