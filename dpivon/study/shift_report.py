@@ -312,24 +312,15 @@ def cross_reference_rows(
     order = list(dict.fromkeys(references[m] for m in methods))
     rows = []
     for eps in sorted(set(costs["epsilon"])):
-        present = [
-            m
-            for m in methods
-            if np.isfinite(list(seed_values(costs, m, eps, "ece_cost_s3").values())).any()
-        ]
+        costs_by_method = {m: seed_values(costs, m, eps, "ece_cost_s3") for m in methods}
+        present = [m for m, v in costs_by_method.items() if np.isfinite(list(v.values())).any()]
         pairs = [
             (first, second)
             for first in present
             for second in present
             if order.index(references[first]) < order.index(references[second])
         ]
-        family = [
-            seed_difference(
-                seed_values(costs, first, eps, "ece_cost_s3"),
-                seed_values(costs, second, eps, "ece_cost_s3"),
-            )
-            for first, second in pairs
-        ]
+        family = [seed_difference(costs_by_method[a], costs_by_method[b]) for a, b in pairs]
         adjusted = holm_adjusted([d.p_value for d in family])
         for (first, second), d, holm in zip(pairs, family, adjusted, strict=True):
             cells = difference_cells(d, 1.0, 3, verdict_word(d, "min"), holm)
