@@ -22,6 +22,7 @@ from dpivon.commands import (
     progress_bar,
     stops_on_signals,
     user_errors,
+    warn_of_frozen_curvature,
     warn_of_research_mode,
 )
 from dpivon.config import BmaSamples, load_configs, parse_config
@@ -152,6 +153,7 @@ def train(
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
     warn_of_research_mode(any(c.privacy.research_mode and c.is_private for c in configs))
+    warn_of_frozen_curvature(configs)
     tracker = Tracker(tracking_uri, experiment)
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
@@ -247,6 +249,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ):
         value = summary.get(key)
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    if "curvature_horizon_share" in summary:  # an IVON-family run: did its curvature learn?
+        table.add_row("curvature_horizon_share", f"{summary['curvature_horizon_share']:.3f}")
+        table.add_row(
+            "curvature_learned_share",
+            "{curvature_learned_share_median:.3f} (q10 {curvature_learned_share_q10:.3f}, "
+            "q90 {curvature_learned_share_q90:.3f})".format(**summary),
+        )
+        if "curvature_update_share" in summary:
+            table.add_row("curvature_update_share", f"{summary['curvature_update_share']:.3g}")
     Console().print(table)
 
 
@@ -271,6 +282,8 @@ def sweep(
 
     loaded = load_pipeline(pipeline)
     warn_of_research_mode(loaded.research_mode)
+    if not resume:
+        warn_of_frozen_curvature(loaded.start_configs())
     try:
         trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
     except SweepInterrupted as stop:
@@ -314,6 +327,8 @@ def benchmark(
         raise DpivonError("--resume trains and --report-only does not: pass one of them")
     loaded = load_benchmark(pipeline)
     warn_of_research_mode(loaded.research_mode and not report_only)
+    if not report_only:
+        warn_of_frozen_curvature(run.config for run in loaded.runs)
     try:
         outcome = run_benchmark(
             loaded,

@@ -11,7 +11,7 @@ import signal
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from typer._click import exceptions as click_errors  # typer 0.29 vendors its click
 
 from dpivon.config import (
+    TrainConfig,
     field_info,
     format_validation_error,
     parse_assignments,
@@ -264,6 +265,16 @@ def warn_of_research_mode(research: bool) -> None:
     has a DP guarantee (its runs say so too: the dpivon.noise tag)."""
     if research:
         console.print(f"[bold yellow]warning:[/] {RESEARCH_MODE_WARNING}", highlight=False)
+
+
+def warn_of_frozen_curvature(configs: Iterable[TrainConfig]) -> None:
+    """One line per distinct IVON-family setting whose curvature cannot learn by its last
+    step (`dpivon.runs.frozen_curvature_warning`), before its runs start; they still run."""
+    from dpivon.runs.setup import frozen_curvature_warning
+
+    lines = dict.fromkeys(line for c in configs if (line := frozen_curvature_warning(c)))
+    for line in lines:
+        console.print(f"[bold yellow]warning:[/] {line}", highlight=False)
 
 
 def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:

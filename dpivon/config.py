@@ -499,6 +499,13 @@ class TrainConfig(BaseModel):
         return OPTIMIZERS[self.optimizer.name].private
 
     @property
+    def planned_steps(self) -> int:
+        """The optimizer steps the run takes: its epochs of ``steps_per_epoch`` (private
+        runs may set it) or of one pass over the training images, ceil(N / batch)."""
+        one_pass = math.ceil(self.data.train_size / self.training.batch_size)
+        return self.training.epochs * (self.training.steps_per_epoch or one_pass)
+
+    @property
     def split_seed(self) -> int:
         """The train/validation split's seed: data_seed, else the run's seed."""
         return self.runtime.seed if self.data.data_seed is None else self.data.data_seed

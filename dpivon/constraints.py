@@ -131,6 +131,9 @@ NoiseMultiplier = Annotated[
 ]
 NonNegativeFloat = Annotated[StrictFloat, Bound(ge=0)]
 Rate = Annotated[StrictFloat, Bound(ge=0, lt=1)]  # a moving-average rate / momentum
+# IVON's beta2, the rate of h's moving average: 1 keeps h at hess_init (a frozen curvature,
+# the ablation of learning it), which a moving average of anything else has no use for.
+CurvatureRate = Annotated[StrictFloat, Bound(ge=0, le=1, shown="in [0, 1] (1: a frozen h)")]
 Probability = Annotated[StrictFloat, Bound(gt=0, lt=1)]
 Count = Annotated[StrictInt, Bound(ge=1)]
 # A random seed: numpy's and torch's generators take 32 bits (a larger one overflows there)

@@ -90,6 +90,23 @@ def hessian_update(
     )
 
 
+def curvature_horizon_share(beta2: float, steps: int) -> float:
+    """1 - beta2^T: the most of h that T steps of estimates can have made; the rest is
+    hess_init decayed (IVON's default 0.99999 over 1,320 steps: 0.013, a frozen h)."""
+    return 1.0 - beta2**steps
+
+
+def beta2_for_horizon_share(share: float, steps: int) -> float:
+    """The beta2 whose `curvature_horizon_share` over ``steps`` is ``share``."""
+    return (1.0 - share) ** (1.0 / steps)
+
+
+def learned_curvature_share(hess: Tensor, decayed_init: Tensor) -> Tensor:
+    """1 - hess_init beta2^t / h per coordinate: the share of h beyond what the decay of its
+    start explains (0 for a frozen h; near 0 where the estimates are 0, the collapse)."""
+    return 1.0 - decayed_init / hess
+
+
 def floored_hessian(hess: Tensor, floor: float) -> Tensor:
     """h = max(h, floor); a floor of 0 leaves h as it is.
 
@@ -461,9 +478,23 @@ class IVON(torch.optim.Optimizer):
 
         ``hess_mean``, ``hess_median``, ``hess_q10``, ``hess_q90`` of h and
         ``posterior_std_median``, ``posterior_std_q10``, ``posterior_std_q90`` of s, over all
-        coordinates (quantiles are lower order statistics, see `lower_quantiles`).
+        coordinates (quantiles are lower order statistics, see `lower_quantiles`); whether h
+        learns: ``curvature_horizon_share`` (`curvature_horizon_share` at the step count, the
+        most it can have learned) and ``curvature_learned_share_median``, ``_q10``, ``_q90``
+        (`learned_curvature_share`, what it did).
         """
         hess = torch.cat([self.state[p]["hess"].flatten() for _, p in self._params()])
+        decayed_init = torch.cat(
+            [
+                torch.full((p.numel(),), g["hess_init"] * g["beta2"] ** self.current_step)
+                for g, p in self._params()
+            ]
+        ).to(hess)
+        learned = learned_curvature_share(hess, decayed_init)
+        learned_q10, learned_q90 = lower_quantiles(learned, DIAGNOSTIC_QUANTILES)
+        horizon = max(
+            curvature_horizon_share(g["beta2"], self.current_step) for g in self.param_groups
+        )
         std = torch.cat(
             [
                 posterior_std(self.state[p]["hess"], g["ess"], g["weight_decay"]).flatten()
@@ -480,6 +511,10 @@ class IVON(torch.optim.Optimizer):
             "posterior_std_median": std.median().item(),
             "posterior_std_q10": std_q10,
             "posterior_std_q90": std_q90,
+            "curvature_horizon_share": horizon,
+            "curvature_learned_share_median": learned.median().item(),
+            "curvature_learned_share_q10": learned_q10,
+            "curvature_learned_share_q90": learned_q90,
         }
 
 
@@ -703,8 +738,10 @@ __all__ = [
     "DPIVON",
     "HESSIAN_ESTIMATORS",
     "IVON",
+    "beta2_for_horizon_share",
     "bias_corrected",
     "clamped_noise_share",
+    "curvature_horizon_share",
     "effective_lr",
     "ema_noise_corrected_squared_gradient",
     "ema_update",
@@ -712,6 +749,7 @@ __all__ = [
     "gradient_snr",
     "gradsq_hessian",
     "hessian_update",
+    "learned_curvature_share",
     "lower_quantiles",
     "mean_update",
     "momentum_debias",

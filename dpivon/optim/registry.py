@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 from dpivon.constraints import (
     Bool,
     Bound,
+    CurvatureRate,
     Float,
     Int,
     NonNegativeScale,
@@ -116,7 +117,7 @@ class AdamBCOptions(AdamOptions):
 
 class IVONOptions(OptimizerOptions):
     beta1: Rate = 0.9
-    beta2: Rate
+    beta2: CurvatureRate
     hess_approx: HessianEstimator
     hess_init: PositiveScale
     ess: PositiveFloat | None = None  # None: the training-set size

@@ -95,11 +95,20 @@ class TrainResult:
             "wall_time_s": self.wall_time_s,
         }
         out.update(self.tuning_summary())
+        out.update(self.curvature_summary())
         out.update({f"val_{k}": v for k, v in self.val.items()})
         if self.test is not None:
             out.update({f"test_{k}": v for k, v in self.test.items()})
         out.update(self.extra)
         return {k: json_number(v) for k, v in out.items()}
+
+    def curvature_summary(self) -> dict[str, float]:
+        """An IVON-family run's curvature at its last epoch: the share of h its horizon let
+        the estimates make (``curvature_horizon_share``), the share they made
+        (``curvature_learned_share_median``, ``_q10``, ``_q90``) and the share of a step
+        that came from it (``curvature_update_share``); empty for other runs."""
+        last = self.history[-1] if self.history else {}
+        return {k: v for k, v in last.items() if k.startswith("curvature_")}
 
     def tuning_summary(self) -> dict[str, float | str]:
         """What this run's epsilon covers; for a config chosen by a sweep also the tuning

@@ -19,7 +19,8 @@ from dpivon.errors import DpivonError
 from dpivon.machine import check_memory
 from dpivon.models import build_model
 from dpivon.optim.build import build_optimizer
-from dpivon.optim.ivon import IVON
+from dpivon.optim.ivon import IVON, beta2_for_horizon_share, curvature_horizon_share
+from dpivon.optim.registry import IVONOptions
 from dpivon.privacy.accounting import (
     check_fixed_noise_fits,
     check_reachable,
@@ -134,6 +135,39 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
         privacy_plan(config, n_train)
     if (tuning := config.privacy.tuning) is not None:
         check_tuning_cost(tuning.quoted_rdp, tuning.quoted_epsilon, config.privacy.delta)
+
+
+# Below this share of h learned by the last step, a run's curvature is as good as frozen
+# (issue 44): said before the run, not refused, since a frozen h is a valid ablation.
+FROZEN_CURVATURE_SHARE = 0.5
+# The share the warning's suggested beta2 gives.
+LEARNING_CURVATURE_SHARE = 0.9
+
+
+def planned_curvature_share(config: TrainConfig) -> float | None:
+    """An IVON-family run's `curvature_horizon_share` at its last step (None for others)."""
+    options = config.optimizer
+    if not isinstance(options, IVONOptions):
+        return None
+    return curvature_horizon_share(options.beta2, config.planned_steps)
+
+
+def frozen_curvature_warning(config: TrainConfig) -> str | None:
+    """One line for an IVON-family run whose estimates can make less than
+    FROZEN_CURVATURE_SHARE of h by its last step, with the beta2 that makes
+    LEARNING_CURVATURE_SHARE of it; None for a run whose curvature learns."""
+    share = planned_curvature_share(config)
+    if share is None or share >= FROZEN_CURVATURE_SHARE:
+        return None
+    steps, beta2 = config.planned_steps, config.optimizer.beta2
+    suggested = beta2_for_horizon_share(LEARNING_CURVATURE_SHARE, steps)
+    return (
+        f"{config.optimizer.name}'s curvature can learn at most {100 * share:.3g} % of h in "
+        f"its {steps:,} steps (beta2 {beta2:g} keeps {100 - 100 * share:.3g} % of hess_init): h "
+        "stays near "
+        f"its start; beta2={suggested:.5f} learns {LEARNING_CURVATURE_SHARE:g} of it. The run "
+        "goes on (a frozen curvature is a valid ablation)"
+    )
 
 
 def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> None:

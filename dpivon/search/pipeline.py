@@ -419,6 +419,20 @@ class Pipeline(RunFile):
                 )
         return None
 
+    def start_configs(self) -> list[TrainConfig]:
+        """Every group's start points as configs (its fixed keys alone where it has none
+        and samples no ``beta2``): the runs a sweep is warned of before it starts."""
+        configs = []
+        for optimizer, budget in self.groups:
+            space = self.spaces[optimizer]
+            base = self.base_train_config(optimizer, budget)
+            if space.start_points:
+                points = [space.trial_config(point) for point in space.start_points]
+            else:
+                points = [] if "beta2" in space.distributions else [space.fixed]
+            configs += [parse_config({**base, **point}) for point in points]
+        return configs
+
     @property
     def hides_trial_count(self) -> bool:
         """Whether the random-trials bound is quoted: it holds only while K and the random

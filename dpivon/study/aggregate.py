@@ -57,15 +57,23 @@ DIAGNOSTIC_KEYS = (
     "clamped_noise_share_median",
     "grad_snr_median",
     "curvature_update_share",
+    "curvature_horizon_share",
+    "curvature_learned_share_median",
+    "curvature_learned_share_q10",
+    "curvature_learned_share_q90",
 )
 # The diagnostics summarised at the last epoch beside the metrics (column ``last_<key>``;
 # NaN for a method that logs none), with the direction in which each improves: the
-# fraction of v_hat projected to zero and the clamped-noise share of h measure the collapse.
+# fraction of v_hat projected to zero and the clamped-noise share of h measure the collapse;
+# the curvature's shares say whether h learned at all (a frozen h: a horizon share near 0).
 LAST_EPOCH_DIAGNOSTICS: dict[str, str] = {
     "projected_fraction": "min",
     "clamped_noise_share_median": "min",
     "hess_median": "none",
     "posterior_std_median": "none",
+    "curvature_horizon_share": "none",
+    "curvature_learned_share_median": "none",
+    "curvature_update_share": "none",
 }
 # Every per-run column the aggregation summarises, with its direction.
 SUMMARISED: dict[str, str] = {

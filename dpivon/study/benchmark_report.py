@@ -107,6 +107,9 @@ _DIAGNOSTIC_COLUMNS = (
     ("last_clamped_noise_share_median", "clamped-noise share of h", 1.0, 3),
     ("last_hess_median", "median h", 1.0, 3),
     ("last_posterior_std_median", "median posterior std", 1.0, 4),
+    ("last_curvature_horizon_share", "horizon share of h", 1.0, 3),
+    ("last_curvature_learned_share_median", "learned share of h", 1.0, 3),
+    ("last_curvature_update_share", "curvature's share of a step", 1.0, 3),
 )
 DIAGNOSTICS_NOTE = (
     "At the last epoch, mean [95 % interval] over seeds (`dpivon.optim.ivon.DPIVON` documents "
@@ -115,7 +118,12 @@ DIAGNOSTICS_NOTE = (
     "was negative and projected to zero (the curvature collapse); clamped-noise share of h, "
     "the median over coordinates of the share of h that the clamped noise alone would give "
     "(near 1: h is no larger than noise makes it); median h and median posterior std "
-    "s = 1/sqrt(ess (h + delta)) over all coordinates."
+    "s = 1/sqrt(ess (h + delta)) over all coordinates. Whether h learned at all: horizon "
+    "share of h, 1 - beta2^T after T steps, the most of h the estimates can have made (the "
+    "rest is hess_init decayed); learned share of h, the median over coordinates of "
+    "1 - hess_init beta2^T / h, what they made (0 for a frozen h, near 0 where the estimates "
+    "collapse to 0); curvature's share of a step, ||step - step_0|| / ||step|| with step_0 "
+    "the step at h = hess_init (the epoch's mean). A dash: a private-only diagnostic."
 )
 _HYPER_PARAMETERS = (
     "lr",
@@ -675,7 +683,7 @@ def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequ
             Paragraph("No run logged curvature diagnostics (no IVON-family method).")
         )
         return
-    diagnosed = report.table[report.table["last_projected_fraction_mean"].notna()]
+    diagnosed = report.table[report.table["last_hess_median_mean"].notna()]
     if not diagnosed.empty:
         report.blocks += [
             TableBlock(*results_rows(diagnosed, _DIAGNOSTIC_COLUMNS)),

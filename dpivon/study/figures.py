@@ -39,6 +39,12 @@ _DIAGNOSTIC_ROWS = (
     ("clamped_noise_share_median", None, "share of h clamped noise alone gives (median)"),
     ("grad_snr_median", None, "SNR of g_dp per tensor (median)"),
     ("curvature_update_share", None, "curvature's share of the update"),
+    (
+        "curvature_learned_share_median",
+        ("curvature_learned_share_q10", "curvature_learned_share_q90"),
+        "learned share of h: median, q10-q90 band",
+    ),
+    ("curvature_horizon_share", None, "horizon share of h (1 - beta2^t)"),
 )
 
 
