@@ -96,8 +96,8 @@ def test_a_curvature_that_cannot_learn_is_warned_of_and_the_run_goes_on(tmp_path
     assert frozen_curvature_warning(parse_config(_tiny("dp-sgd"))) is None
     assert planned_curvature_share(parse_config(_tiny("dp-sgd"))) is None
     args = ["train", "--dataset", "synthetic", "--optimizer", "dp-ivon-gradsq", "--epsilon", "8",
-            "--epochs", "1", "--set", "synthetic_size=200", "--set", "bma_samples=2", "--batch-size", "32",
-            "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]  # fmt: skip
+            "--epochs", "1", "--batch-size", "32", "--set", "synthetic_size=200",
+            "--set", "bma_samples=2", "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     before_run = result.output.split("tracking to")[0]
@@ -131,7 +131,10 @@ def test_a_noise_faithful_trial_learns_the_share_its_final_run_learns():
     pipeline = load_pipeline(ROOT / "pipelines/compare-eps1-tan-tuning-horizon.yaml")
     (trial,) = pipeline.start_configs()
     assert trial.training.batch_size == 64  # 1,024 / 16
-    final = target_config(trial, pipeline.noise_faithful.batch_divisor, 1.0)
+    # what a benchmark's from_sweep trains: the target's batch, budget and epochs
+    final = target_config(trial, pipeline.noise_faithful.batch_divisor, 1.0).replace(
+        epochs=pipeline.epochs
+    )
     assert final.training.batch_size == 1024
     assert trial.planned_steps == final.planned_steps == 1320
     assert planned_curvature_share(trial) == planned_curvature_share(final)

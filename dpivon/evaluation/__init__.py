@@ -13,7 +13,8 @@ in dpivon's cache folder (`evaluation_plan`). Every forward runs under inference
 plan changes how the numbers are computed, never which draws are taken.
 
 - `posterior`: the posterior and its draws; `forward`: the plan and the forward passes;
-- `plans`: measuring and caching the plan; `predictive`: the predictives and their scores.
+- `plans`: measuring and caching the plan; `predictive`: the predictives and their scores;
+- `weight_noise`: a point estimate averaged over isotropic weight noise (IVON's control).
 """
 
 from dpivon.evaluation.forward import EvaluationPlan, Params
@@ -26,9 +27,17 @@ from dpivon.evaluation.predictive import (
     predict_bma,
     predict_probs,
 )
+from dpivon.evaluation.weight_noise import (
+    WeightNoiseChoice,
+    choose_weight_noise,
+    isotropic_posterior,
+    weight_noise_posterior,
+)
 
 __all__ = [
     "PLAN_CACHE_FILE", "Evaluation", "EvaluationPlan", "Params", "Posterior",
-    "draw_parameters", "evaluate", "evaluate_as_configured", "evaluation_plan",
+    "WeightNoiseChoice", "choose_weight_noise", "draw_parameters", "evaluate",
+    "evaluate_as_configured", "evaluation_plan", "isotropic_posterior",
     "measure_evaluation_plan", "posterior_draws", "predict_bma", "predict_probs",
+    "weight_noise_posterior",
 ]  # fmt: skip

@@ -44,6 +44,13 @@ AGGREGATED: dict[str, str] = {
     "test_shift_s3_accuracy": "max",
     "test_shift_s3_ece": "min",
     "test_shift_s3_aurc_maxprob": "min",
+    # a point-estimate model averaged over weight noise (a benchmark's weight_noise_scales):
+    # the scale its validation split chose and the test scores of that average
+    "weight_noise_scale": "none",
+    "test_wna_accuracy": "max",
+    "test_wna_nll": "min",
+    "test_wna_ece": "min",
+    "test_wna_shift_s3_ece": "min",
 }
 # Per-epoch keys the collapse diagnostics read (dpivon.optim.ivon.DPIVON documents them).
 DIAGNOSTIC_KEYS = (

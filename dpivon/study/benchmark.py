@@ -39,8 +39,13 @@ from dpivon.calibration import apply_temperature, fit_temperature
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import evaluate_as_configured
+from dpivon.evaluation import (
+    choose_weight_noise,
+    evaluate_as_configured,
+    weight_noise_posterior,
+)
 from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
+from dpivon.optim.registry import IVONOptions
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
@@ -61,6 +66,7 @@ from dpivon.runs.tracked import log_training_result
 from dpivon.saved_files import FORMAT_KEY, read_saved
 from dpivon.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
+from dpivon.study.attribution import add_attribution_blocks
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
     COMPLETED,
@@ -603,6 +609,71 @@ def score_stored_weights_under_shift(
     return len(todo)
 
 
+# A weight-noise average's shift scores: at severity 3 (the report's), beside the clean set.
+WEIGHT_NOISE_SEVERITY = 3
+WEIGHT_NOISE_FILE = "weight_noise.json"  # a run's artifact: each scale's validation NLL
+
+
+def score_weight_noise_averaging(pipeline: BenchmarkPipeline, tracker: Tracker, parent: str) -> int:
+    """For every completed point-estimate run without them, the pipeline's
+    ``weight_noise_scales`` scores from its stored weights (`dpivon.evaluation.weight_noise`):
+    the scale the validation split prefers (``weight_noise_scale``, 0: none) and the test
+    metrics of that average as ``test_wna_*`` (with the shift set, ``test_wna_shift_s3_*``).
+    An evaluation, no retraining. Returns how many runs were scored."""
+    if not pipeline.weight_noise_scales:
+        return 0
+    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
+    todo = [
+        (spec, existing[spec.key])
+        for spec in pipeline.runs
+        if spec.key in existing
+        and is_completed(existing[spec.key])
+        and not isinstance(spec.config.optimizer, IVONOptions)
+        and "weight_noise_scale" not in existing[spec.key].data.metrics
+    ]
+    data = load_data(todo[0][0].config) if todo else None
+    shift_set = SHIFT_SETS.get(pipeline.shift)
+    if shift_set is not None:
+        shift_set = replace(shift_set, severities=(WEIGHT_NOISE_SEVERITY,))
+    for number, (spec, run) in enumerate(todo, 1):
+        name = weights_file(spec.key)
+        if not pipeline.storage.exists(name):
+            console.print(
+                f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its "
+                "weight-noise scores need the run again",
+                highlight=False,
+            )
+            continue
+        with local_copy(pipeline.storage.location(name)) as path:
+            config, model, _ = load_model_file(path)
+        choice = choose_weight_noise(config, model, data.val, pipeline.weight_noise_scales)
+        posterior = weight_noise_posterior(model, choice.scale)
+        test = evaluate_as_configured(config, model, data.test, posterior).metrics
+        scores = {f"test_wna_{k}": test[k] for k in ("accuracy", "nll", "ece", "brier")}
+        if shift_set is not None:
+            shifted = evaluate_shift_as_configured(
+                config, model, posterior, data.test_images, shift_set
+            ).by_severity()
+            at = f"shift_s{WEIGHT_NOISE_SEVERITY}"
+            scores.update({f"test_wna_{at}_{k}": shifted[f"{at}_{k}"] for k in ("accuracy", "ece")})
+        tracker.log_metrics(
+            run.info.run_id,
+            {**scores, "weight_noise_scale": choice.scale},
+            step=config.training.epochs,
+        )
+        tracker.log_dict(
+            run.info.run_id,
+            {"validation_nll": {f"{s:g}": v for s, v in choice.validation_nll.items()}},
+            WEIGHT_NOISE_FILE,
+        )
+        console.print(
+            f"scored {spec.key} averaged over weight noise ({number}/{len(todo)}): scale "
+            f"{choice.scale:g} of {', '.join(f'{s:g}' for s in choice.validation_nll)}",
+            highlight=False,
+        )
+    return len(todo)
+
+
 def report_benchmark(
     pipeline: BenchmarkPipeline, tracker: Tracker, parent: str, failed: dict[str, str]
 ) -> tuple[Report, list[Path]]:
@@ -610,6 +681,7 @@ def report_benchmark(
     ones'), write it under ``<directory>/report`` and log it on the parent run; completed
     runs that lack the pipeline's shift scores get them from their stored weights first."""
     score_stored_weights_under_shift(pipeline, tracker, parent)
+    score_weight_noise_averaging(pipeline, tracker, parent)
     records = load_records(tracker, parent)
     configs = {}
     for spec in pipeline.runs:
@@ -656,6 +728,7 @@ def report_benchmark(
             pipeline.references,
             SHIFT_SETS.get(pipeline.shift),
         )
+        add_attribution_blocks(report, pipeline.method_names, pipeline.frozen_curvature_arms)
     storage = pipeline.storage
     with tempfile.TemporaryDirectory(prefix="dpivon-report-") as tmp:
         local = Path(tmp)  # the files are made here, then stored and logged

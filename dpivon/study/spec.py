@@ -31,6 +31,15 @@ shown)::
     shift: none                      # default | full: also score each run's model under
                                      # dataset shift (dpivon.shift; the report's shift
                                      # figure and selective-prediction table)
+    weight_noise_scales: []          # e.g. [0.002, 0.005, 0.01]: also score each
+                                     # point-estimate model averaged over weight noise
+                                     # (dpivon.evaluation.weight_noise)
+
+A method with ``frozen_curvature_of: <method>`` repeats that IVON-family method with
+``train: {beta2: 1.0}`` (h frozen at hess_init); the report pairs the two by seed: what the
+learned curvature adds. With ``weight_noise_scales`` the report also pairs each point-
+estimate model with its own weight-noise average: what any model gets from averaging over
+weight noise, the IVON family's other ingredient.
 
 A method with ``from_sweep`` (a sweep folder, pipeline file or name, as ``dpivon export``
 takes) trains, at each epsilon, the configuration that sweep's ``pick`` chose from its
@@ -75,7 +84,7 @@ from dpivon.config import (
 )
 from dpivon.constraints import Bound, Float, Int, Seed
 from dpivon.errors import DpivonError
-from dpivon.optim.registry import OPTIMIZERS, OptimizerName
+from dpivon.optim.registry import OPTIMIZERS, IVONOptions, OptimizerName
 from dpivon.orchestration.run_file import (
     Concurrency,
     Epsilons,
@@ -116,6 +125,9 @@ class Method(StrictModel):
     pick: Literal[tuple(p for p in PICKS if p != "pareto")] = "knee"  # one config each
     train: TrainExtras = Field(default_factory=dict)
     reference: str | None = None  # the non-private method this one is the private version of
+    # the IVON-family method this one repeats with h frozen (beta2 1): the ablation of its
+    # learned curvature, paired with it by seed in the report
+    frozen_curvature_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,14 @@ class BenchmarkPipeline(RunFile):
     )
     # not a TrainConfig key: scoring under shift changes no run's training (or config hash)
     shift: Literal["none", "default", "full"] = "none"
+    # Point-estimate models also scored averaged over isotropic weight noise of the one of
+    # these scales that the validation split prefers (`dpivon.evaluation.weight_noise`);
+    # empty: not scored. Like shift, an evaluation of the stored weights.
+    weight_noise_scales: Annotated[
+        list[Annotated[Float, Bound(gt=0, lt=1e3)]],
+        BeforeValidator(as_list),
+        distinct("weight_noise_scales"),
+    ] = Field(default_factory=list)
 
     _runs: list[RunSpec] = PrivateAttr(default_factory=list)
 
@@ -197,6 +217,42 @@ class BenchmarkPipeline(RunFile):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_frozen_curvature_arms(self) -> BenchmarkPipeline:
+        """Each ``frozen_curvature_of`` names an IVON-family method of the file that this one
+        repeats (optimizer, sweep, pick, train keys) with beta2 1 alone changed: h frozen at
+        hess_init, so that the pair differs in the learned curvature only."""
+        by_name = {m.name: m for m in self.methods}
+
+        def without_beta2(method: Method) -> tuple:
+            train = {k: v for k, v in method.train.items() if k != "beta2"}
+            return method.optimizer, method.from_sweep, method.pick, train
+
+        for i, method in enumerate(self.methods):
+            name, where = method.frozen_curvature_of, f"methods.{i}.frozen_curvature_of"
+            if name is None:
+                continue
+            learning = by_name.get(name)
+            if learning is None or learning is method:
+                others = [m.name for m in self.methods if m is not method]
+                raise ValueError(
+                    f"{where}: {name!r} is not another method of this benchmark; name the "
+                    f"method whose curvature {method.name} freezes: {', '.join(others)}"
+                )
+            if not issubclass(OPTIMIZERS[method.optimizer].options, IVONOptions):
+                raise ValueError(
+                    f"{where}: {method.name} ({method.optimizer}) learns no curvature to "
+                    "freeze; frozen arms are of IVON-family methods"
+                )
+            if without_beta2(method) != without_beta2(learning):
+                raise ValueError(
+                    f"{where}: {method.name} must repeat {name} (its optimizer, from_sweep, "
+                    "pick and train keys) with beta2 alone changed"
+                )
+            if method.train.get("beta2") != 1.0:
+                raise ValueError(f"{where}: give {method.name} train: {{beta2: 1.0}} (h frozen)")
+        return self
+
     @field_validator("seeds")
     @classmethod
     def _check_seeds(cls, seeds: list[int]) -> list[int]:
@@ -218,6 +274,11 @@ class BenchmarkPipeline(RunFile):
     @property
     def method_names(self) -> list[str]:
         return [m.name for m in self.methods]
+
+    @property
+    def frozen_curvature_arms(self) -> dict[str, str]:
+        """Each frozen-curvature method -> the method whose curvature it freezes."""
+        return {m.name: m.frozen_curvature_of for m in self.methods if m.frozen_curvature_of}
 
     @property
     def references(self) -> dict[str, str]:
