@@ -327,7 +327,7 @@ def benchmark(
         raise DpivonError("--resume trains and --report-only does not: pass one of them")
     loaded = load_benchmark(pipeline)
     warn_of_research_mode(loaded.research_mode and not report_only)
-    if not report_only:
+    if not (resume or report_only):  # a resume was warned when it started
         warn_of_frozen_curvature(run.config for run in loaded.runs)
     try:
         outcome = run_benchmark(

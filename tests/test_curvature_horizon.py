@@ -24,6 +24,7 @@ from dpivon.runs import frozen_curvature_warning, planned_curvature_share, train
 from dpivon.search.export import target_config
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.space import load_search_space
+from dpivon.study.aggregate import curvature_shares_of_earlier_run
 
 ROOT = Path(__file__).resolve().parents[1]
 IVON_FAMILY = {n for n, s in OPTIMIZERS.items() if issubclass(s.options, IVONOptions)}
@@ -139,3 +140,18 @@ def test_a_noise_faithful_trial_learns_the_share_its_final_run_learns():
     assert trial.planned_steps == final.planned_steps == 1320
     assert planned_curvature_share(trial) == planned_curvature_share(final)
     assert planned_curvature_share(trial) == pytest.approx(1 - 0.998**1320)
+
+
+@pytest.mark.parametrize("optimizer", ["dp-ivon-gradsq", "ivon"])
+def test_an_earlier_runs_shares_follow_from_its_h_quantiles(optimizer):
+    """Runs logged before the shares (the first epsilon-3 study) get them from their h
+    quantiles and settings: the same numbers as the optimizer's own, epoch by epoch."""
+    result = train(parse_config(_tiny(optimizer, beta2=0.9, hess_init=0.7)), evaluate_test=False)
+    keys = ("hess_median", "hess_q10", "hess_q90")
+    history = {k: [m[k] for m in result.history] for k in keys}
+    params = {"beta2": "0.9", "hess_init": "0.7", "train_images": "270", "batch_size": "32"}
+    steps = [m["steps"] for m in result.history] if optimizer != "ivon" else []
+    derived = curvature_shares_of_earlier_run(history, params, steps)
+    for key, values in derived.items():
+        logged = [m[key] for m in result.history]
+        assert values == pytest.approx(logged, rel=1e-5, abs=1e-6), key

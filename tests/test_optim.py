@@ -446,8 +446,18 @@ def test_dpivon_hessian_and_projected_fraction_from_g_dp(noise_correction):
         "curvature_update_share",
         "clamped_noise_share_median",
         "grad_snr_median",
+        "curvature_horizon_share",
+        "curvature_learned_share_median",
+        "curvature_learned_share_q10",
+        "curvature_learned_share_q90",
     }
     assert all(math.isfinite(v) for v in diagnostics.values())
+    # one step: 1 - beta2 of h could be learned; the learned share, by its definition
+    assert diagnostics["curvature_horizon_share"] == pytest.approx(1 - beta2)
+    learned = 1 - hess_init * beta2 / hess
+    assert diagnostics["curvature_learned_share_median"] == pytest.approx(
+        learned.median().item(), rel=1e-6
+    )
     assert diagnostics["projected_fraction"] == opt.projected_fraction
     assert diagnostics["hess_mean"] == pytest.approx(hess.mean().item(), rel=1e-12)
     assert diagnostics["hess_median"] == pytest.approx(hess.median().item(), rel=1e-12)

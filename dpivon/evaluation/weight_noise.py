@@ -46,11 +46,14 @@ def weight_noise_posterior(model: nn.Module, scale: float) -> Posterior | None:
 def choose_weight_noise(
     config: TrainConfig, model: nn.Module, validation: TensorDataset, scales: Sequence[float]
 ) -> WeightNoiseChoice:
-    """The scale among 0 and ``scales`` whose averaged predictive (the config's BMA draws
-    and seed) has the lowest NLL on ``validation``: a proper score, so the scale is chosen
-    for calibration and accuracy together; ties go to the smaller scale."""
+    """The scale among 0 and ``scales`` whose averaged predictive has the lowest NLL on
+    ``validation``, with the draws a run validates with (``val_bma_samples``, the config's
+    seed): a proper score, so the scale is chosen for calibration and accuracy together;
+    ties go to the smaller scale."""
+    draws = config.evaluation.val_bma_samples
     nll = {0.0: evaluate_as_configured(config, model, validation, None).metrics["nll"]}
     for scale in sorted(scales):
         posterior = isotropic_posterior(model, scale)
-        nll[scale] = evaluate_as_configured(config, model, validation, posterior).metrics["nll"]
+        scores = evaluate_as_configured(config, model, validation, posterior, bma_samples=draws)
+        nll[scale] = scores.metrics["nll"]
     return WeightNoiseChoice(min(nll, key=nll.__getitem__), nll)

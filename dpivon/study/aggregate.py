@@ -135,6 +135,9 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
         for name in DIAGNOSTIC_KEYS:
             if name in metrics:
                 history[name] = [m.value for m in tracker.metric_history(run_id, name)]
+        if "hess_median" in history and "curvature_horizon_share" not in history:
+            steps = [m.value for m in tracker.metric_history(run_id, "steps")]
+            history.update(curvature_shares_of_earlier_run(history, run.data.params, steps))
         train_images = run.data.params.get("train_images")
         bins = tracker.load_dict(run_id, RELIABILITY_FILE)
         reliability = None if bins is None else reliability_from_dict(bins)
@@ -152,6 +155,30 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
             )
         )
     return records
+
+
+def curvature_shares_of_earlier_run(
+    history: dict[str, list[float]], params: dict[str, str], steps: list[float]
+) -> dict[str, list[float]]:
+    """The curvature's shares per epoch of an IVON-family run logged before they were, from
+    its h quantiles: after t steps the horizon share is 1 - beta2^t and, with one hess_init
+    and beta2 for all parameters, a quantile of the learned share 1 - hess_init beta2^t / h
+    is that map of h's quantile (it increases with h). ``steps`` per epoch as logged (a
+    private run), else epochs of ceil(train_images / batch_size)."""
+    beta2, hess_init = float(params["beta2"]), float(params["hess_init"])
+    epochs = len(history["hess_median"])
+    if len(steps) != epochs:
+        per_epoch = math.ceil(int(params["train_images"]) / int(params["batch_size"]))
+        steps = [per_epoch * (epoch + 1) for epoch in range(epochs)]
+    decayed = [hess_init * beta2**t for t in steps]
+    shares = {"curvature_horizon_share": [1.0 - beta2**t for t in steps]}
+    for quantile in ("median", "q10", "q90"):
+        values = history.get(f"hess_{quantile}")
+        if values is not None:
+            shares[f"curvature_learned_share_{quantile}"] = [
+                1.0 - d / h for d, h in zip(decayed, values, strict=True)
+            ]
+    return shares
 
 
 def _last_value(values: Sequence[float] | None) -> float:

@@ -56,7 +56,8 @@ CURVATURE_NOTE = (
 WEIGHT_NOISE_NOTE = (
     "Each point-estimate model averaged over isotropic Gaussian weight noise N(theta, s^2 I) "
     "(the posterior draws of its final test, s the one of the benchmark's weight_noise_scales "
-    "of lowest validation NLL, 0 if none beat the point prediction) minus its own point "
+    "of lowest validation NLL at the validation draws, 0 if none beat the point prediction) "
+    "minus its own point "
     "prediction, same run: what any model gets from averaging over weight noise. Scored from "
     "the stored weights, no retraining."
 )
