@@ -818,7 +818,11 @@ def test_shipped_benchmark_pipelines_load(path):
 
 # A tuning sweep's GPU version and the CPU sweeps it holds (one per epsilon there).
 TUNING_GPU_TWINS = {
-    "compare-tuning-gpu.yaml": ("compare-eps3-tan-tuning.yaml", "compare-eps1-tan-tuning.yaml"),
+    "compare-tuning-gpu.yaml": (
+        "compare-eps3-tan-tuning.yaml",
+        "compare-eps1-tan-tuning.yaml",
+        "compare-eps1-tan-tuning-horizon.yaml",
+    ),
     "compare-tuning-gpu-mitigated.yaml": (
         "compare-eps3-tan-tuning-mitigated.yaml",
         "compare-eps1-tan-tuning-mitigated.yaml",
@@ -865,6 +869,8 @@ def test_a_studys_gpu_version_trains_exactly_its_runs(gpu_file):
     cpu = load_benchmark(ROOT / "pipelines" / GPU_TWINS[gpu_file])
     assert gpu.resources.gpu > 0 and gpu.name != cpu.name  # its own store and resume key
     assert gpu.data == cpu.data
+    # and is scored alike: under shift, and averaged over the same weight noise
+    assert (gpu.shift, gpu.weight_noise_scales) == (cpu.shift, cpu.weight_noise_scales)
     assert [(r.key, r.config.flat(), r.tuned_by) for r in gpu.runs] == [
         (r.key, r.config.flat(), r.tuned_by) for r in cpu.runs
     ]
