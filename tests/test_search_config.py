@@ -821,11 +821,13 @@ TUNING_GPU_TWINS = {
     "compare-tuning-gpu.yaml": (
         "compare-eps3-tan-tuning.yaml",
         "compare-eps1-tan-tuning.yaml",
+        "compare-eps3-tan-tuning-horizon.yaml",
         "compare-eps1-tan-tuning-horizon.yaml",
     ),
     "compare-tuning-gpu-mitigated.yaml": (
         "compare-eps3-tan-tuning-mitigated.yaml",
         "compare-eps1-tan-tuning-mitigated.yaml",
+        "compare-eps3-tan-tuning-mitigated-horizon.yaml",
     ),
 }
 
