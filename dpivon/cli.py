@@ -282,8 +282,6 @@ def sweep(
 
     loaded = load_pipeline(pipeline)
     warn_of_research_mode(loaded.research_mode)
-    if not resume:
-        warn_of_frozen_curvature(loaded.start_configs())
     try:
         trials = run_sweep(loaded, address=address, tracking_uri=tracking_uri, resume=resume)
     except SweepInterrupted as stop:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from sweep_helpers import shipped_run_files
+from sweep_helpers import shipped_run_files, write_pipeline
 from typer.testing import CliRunner
 
 from dpivon.cli import app
@@ -155,3 +155,19 @@ def test_an_earlier_runs_shares_follow_from_its_h_quantiles(optimizer):
     for key, values in derived.items():
         logged = [m[key] for m in result.history]
         assert values == pytest.approx(logged, rel=1e-5, abs=1e-6), key
+
+
+def test_a_sweep_is_warned_of_a_group_whose_curvature_cannot_learn(tmp_path):
+    frozen_space = tmp_path / "frozen.yaml"
+    frozen_space.write_text(
+        "# a space that leaves beta2 at IVON's default\noptimizer: dp-ivon-gradsq\n"
+        "params:\n  lr: {type: float, low: 1.0, high: 4.0, log: true}\n"
+    )
+    frozen = load_pipeline(
+        write_pipeline(
+            tmp_path, optimizers=[{"name": "dp-ivon-gradsq", "space": str(frozen_space)}]
+        )
+    )
+    (line,) = frozen.frozen_curvature_warnings()  # 2 epochs of 540 / 256: 6 steps at 0.99999
+    assert "in its 6 steps" in line and "beta2=" in line
+    assert load_pipeline(write_pipeline(tmp_path)).frozen_curvature_warnings() == []

@@ -124,7 +124,7 @@ from dpivon.privacy.tuning import (
     TrialMechanism,
     candidate_mechanisms,
 )
-from dpivon.runs import check_plan_reachable
+from dpivon.runs import check_plan_reachable, frozen_curvature_warning
 from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
 
 __all__ = [
@@ -418,6 +418,12 @@ class Pipeline(RunFile):
                     f"{max(self.startup_trials, len(space.start_points))}"
                 )
         return None
+
+    def frozen_curvature_warnings(self) -> list[str]:
+        """`dpivon.runs.frozen_curvature_warning` of each distinct start config whose
+        curvature cannot learn: said before the sweep starts, which it does not stop."""
+        lines = (frozen_curvature_warning(config) for config in self.start_configs())
+        return list(dict.fromkeys(line for line in lines if line))
 
     def start_configs(self) -> list[TrainConfig]:
         """Every group's start points as configs (its fixed keys alone where it has none

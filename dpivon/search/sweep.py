@@ -437,6 +437,9 @@ def run_sweep(
         console.print(f"[yellow]note:[/] nothing to resume in {storage.uri}; starting the sweep")
     if not resume and (note := pipeline.random_phase_note()) is not None:
         console.print(f"[yellow]{note}[/]", highlight=False)
+    if not resume:
+        for line in pipeline.frozen_curvature_warnings():
+            console.print(f"[bold yellow]warning:[/] {line}", highlight=False)
     counts = _trial_counts(pipeline, previous)
     trial_epsilons = previous.trial_epsilons if previous else _trial_epsilons(pipeline, counts)
     groups = sweep_groups(pipeline, trial_epsilons, counts)

@@ -615,13 +615,22 @@ WEIGHT_NOISE_FILE = "weight_noise.json"  # a run's artifact: each scale's valida
 
 
 def score_weight_noise_averaging(pipeline: BenchmarkPipeline, tracker: Tracker, parent: str) -> int:
-    """For every completed point-estimate run without them, the pipeline's
+    """For every completed point-estimate run not scored with them, the pipeline's
     ``weight_noise_scales`` scores from its stored weights (`dpivon.evaluation.weight_noise`):
     the scale the validation split prefers (``weight_noise_scale``, 0: none) and the test
     metrics of that average as ``test_wna_*`` (with the shift set, ``test_wna_shift_s3_*``).
+    A run scored with other scales is scored again (its latest values are the report's).
     An evaluation, no retraining. Returns how many runs were scored."""
     if not pipeline.weight_noise_scales:
         return 0
+    grid = {f"{s:g}" for s in (0.0, *pipeline.weight_noise_scales)}
+
+    def scored(run) -> bool:
+        if "weight_noise_scale" not in run.data.metrics:
+            return False
+        record = tracker.load_dict(run.info.run_id, WEIGHT_NOISE_FILE) or {}
+        return set(record.get("validation_nll", {})) == grid
+
     existing = tracker.child_runs_by_tag(parent, KEY_TAG)
     todo = [
         (spec, existing[spec.key])
@@ -629,7 +638,7 @@ def score_weight_noise_averaging(pipeline: BenchmarkPipeline, tracker: Tracker, 
         if spec.key in existing
         and is_completed(existing[spec.key])
         and not isinstance(spec.config.optimizer, IVONOptions)
-        and "weight_noise_scale" not in existing[spec.key].data.metrics
+        and not scored(existing[spec.key])
     ]
     data = load_data(todo[0][0].config) if todo else None
     shift_set = SHIFT_SETS.get(pipeline.shift)
