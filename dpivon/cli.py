@@ -153,8 +153,8 @@ def train(
     for cfg, data in zip(configs, datasets, strict=True):
         check_fits(cfg, data)
     warn_of_research_mode(any(c.privacy.research_mode and c.is_private for c in configs))
-    warn_of_frozen_curvature(configs)
     tracker = Tracker(tracking_uri, experiment)
+    warn_of_frozen_curvature(configs)  # after the last refusal: a frozen h still runs
     console.print(f"tracking to {tracker.display_uri} (experiment {experiment!r})")
     summaries = []
     for cfg, data, times in zip(configs, datasets, phases, strict=True):
