@@ -567,6 +567,21 @@ def execute_runs(
             epochs_done.shutdown()
 
 
+def _stored_model(pipeline: BenchmarkPipeline, spec: RunSpec, scores: str) -> tuple | None:
+    """(config, model, posterior) from a run's stored weights; None, with a note naming the
+    ``scores`` only a rerun can give, where they are gone."""
+    name = weights_file(spec.key)
+    if not pipeline.storage.exists(name):
+        console.print(
+            f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its {scores} "
+            "need the run again",
+            highlight=False,
+        )
+        return None
+    with local_copy(pipeline.storage.location(name)) as path:
+        return load_model_file(path)
+
+
 def score_stored_weights_under_shift(
     pipeline: BenchmarkPipeline, tracker: Tracker, parent: str
 ) -> int:
@@ -587,22 +602,15 @@ def score_stored_weights_under_shift(
     ]
     test_images = load_data(todo[0][0].config).test_images if todo else None
     for number, (spec, run) in enumerate(todo, 1):
-        name = weights_file(spec.key)
-        if not pipeline.storage.exists(name):
-            console.print(
-                f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its shift "
-                "scores need the run again",
-                highlight=False,
-            )
+        if (stored := _stored_model(pipeline, spec, "shift scores")) is None:
             continue
-        with local_copy(pipeline.storage.location(name)) as path:
-            config, model, posterior = load_model_file(path)
+        config, model, posterior = stored
         shifted = evaluate_shift_as_configured(config, model, posterior, test_images, shift_set)
         scores = {f"test_{k}": v for k, v in shifted.by_severity().items()}
         tracker.log_metrics(run.info.run_id, scores, step=config.training.epochs)
         tracker.log_dict(run.info.run_id, shifted.record(), SHIFT_FILE)
         console.print(
-            f"scored {spec.key} under shift ({number}/{len(todo)}) from {name}: "
+            f"scored {spec.key} under shift ({number}/{len(todo)}) from {weights_file(spec.key)}: "
             f"{shifted.seconds.get('predict_cpu_s', float('nan')):.0f} CPU s",
             highlight=False,
         )
@@ -645,16 +653,9 @@ def score_weight_noise_averaging(pipeline: BenchmarkPipeline, tracker: Tracker, 
     if shift_set is not None:
         shift_set = replace(shift_set, severities=(WEIGHT_NOISE_SEVERITY,))
     for number, (spec, run) in enumerate(todo, 1):
-        name = weights_file(spec.key)
-        if not pipeline.storage.exists(name):
-            console.print(
-                f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its "
-                "weight-noise scores need the run again",
-                highlight=False,
-            )
+        if (stored := _stored_model(pipeline, spec, "weight-noise scores")) is None:
             continue
-        with local_copy(pipeline.storage.location(name)) as path:
-            config, model, _ = load_model_file(path)
+        config, model, _ = stored
         choice = choose_weight_noise(config, model, data.val, pipeline.weight_noise_scales)
         posterior = weight_noise_posterior(model, choice.scale)
         test = evaluate_as_configured(config, model, data.test, posterior).metrics
