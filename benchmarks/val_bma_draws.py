@@ -24,8 +24,8 @@ from rich.table import Table
 
 from dpivon.config import parse_assignments, parse_config
 from dpivon.evaluation import Posterior, posterior_draws, predict_probs
+from dpivon.evaluation.metrics import classification_metrics
 from dpivon.logs import quiet_known_output
-from dpivon.metrics import classification_metrics
 from dpivon.models import build_model
 from dpivon.process import configure_process, preload_jemalloc
 from dpivon.runs import EpochReport, load_data, train

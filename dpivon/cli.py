@@ -33,8 +33,8 @@ from dpivon.orchestration.interrupts import Interrupted
 from dpivon.paths import check_writable
 from dpivon.process import configure_process, preload_jemalloc
 
-if TYPE_CHECKING:  # dpivon.shift loads torchvision: imported where a command needs it
-    from dpivon.shift import ShiftSet
+if TYPE_CHECKING:  # dpivon.evaluation.shift loads torchvision: imported where a command needs it
+    from dpivon.evaluation.shift import ShiftSet
 
 app = typer.Typer(
     cls=OneLineUsageErrors,
@@ -115,6 +115,7 @@ def train(
     ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
+    from dpivon.evaluation.shift import evaluate_shift_as_configured
     from dpivon.runs import (
         NOT_COVERED_METRICS,
         PhaseTimes,
@@ -126,7 +127,6 @@ def train(
     )
     from dpivon.runs import train as run_training
     from dpivon.runs.tracked import log_training_result, tracked_run
-    from dpivon.shift import evaluate_shift_as_configured
     from dpivon.tracking.client import Tracker
 
     overrides = config_values
@@ -593,8 +593,8 @@ def predict(
 
 
 def shift_set_named(name: str) -> ShiftSet:
-    """The shift set ``default`` or ``full`` (`dpivon.shift.SHIFT_SETS`)."""
-    from dpivon.shift import SHIFT_SETS
+    """The shift set ``default`` or ``full`` (`dpivon.evaluation.shift.SHIFT_SETS`)."""
+    from dpivon.evaluation.shift import SHIFT_SETS
 
     if name not in SHIFT_SETS:
         raise DpivonError(f"--shift takes {' or '.join(SHIFT_SETS)}, got {name!r}")
@@ -672,8 +672,8 @@ def evaluate(
     (AUROC of max-probability, entropy, mutual information) on the clean test images and on
     CIFAR-10-C-style corruptions at severities 1-5 (made once, then cached)."""
     from dpivon.data import load_test_images
+    from dpivon.evaluation.shift import ShiftSet, check_shift_request, evaluate_shift
     from dpivon.runs import synthetic_sizes
-    from dpivon.shift import ShiftSet, check_shift_request, evaluate_shift
     from dpivon.tracking.served_model import load_scored_model
 
     base = shift_set_named("full" if full else "default")

@@ -1,11 +1,11 @@
-"""Matplotlib figures of the metrics (dpivon.metrics), drawn without pyplot state."""
+"""Matplotlib figures of the metrics (dpivon.evaluation.metrics), drawn without pyplot state."""
 
 from __future__ import annotations
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from dpivon.metrics import ReliabilityDiagram
+from dpivon.evaluation.metrics import ReliabilityDiagram
 
 
 def plot_reliability_diagram(diagram: ReliabilityDiagram, title: str = "") -> Figure:

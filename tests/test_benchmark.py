@@ -32,7 +32,8 @@ from dpivon.cli import app
 from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
 from dpivon.evaluation import evaluate_as_configured
-from dpivon.metrics import reliability_diagram
+from dpivon.evaluation.metrics import reliability_diagram
+from dpivon.evaluation.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.models import build_model
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.process import enter_ray_worker
@@ -44,7 +45,6 @@ from dpivon.runs import (
     train,
 )
 from dpivon.saved_files import FORMAT_KEY
-from dpivon.shift import SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import RunRecord, aggregate, compare, load_records, records_frame
 from dpivon.study.benchmark import (
     RESUMED_TAG,

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpivon.calibration import MIN_FIT_IMAGES, apply_temperature, fit_temperature, is_determined
-from dpivon.metrics import accuracy, expected_calibration_error, negative_log_likelihood
+from dpivon.evaluation.calibration import (
+    MIN_FIT_IMAGES,
+    apply_temperature,
+    fit_temperature,
+    is_determined,
+)
+from dpivon.evaluation.metrics import accuracy, expected_calibration_error, negative_log_likelihood
 
 
 def calibrated_predictor(n=4000, k=10, seed=0):

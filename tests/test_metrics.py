@@ -10,7 +10,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from dpivon.metrics import (
+from dpivon.evaluation.metrics import (
     NLL_EPSILON,
     accuracy,
     brier_score,

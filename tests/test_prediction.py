@@ -15,8 +15,8 @@ from dpivon.data import ImageArrays, to_tensor_dataset
 from dpivon.data.images import model_input, read_images
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior, predict_bma, predict_probs
+from dpivon.evaluation.prediction import entropy, predict_with_uncertainty, predictions_frame
 from dpivon.models import build_model
-from dpivon.prediction import entropy, predict_with_uncertainty, predictions_frame
 from dpivon.search.callbacks import SweepProgress, tally, tally_line
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY
 

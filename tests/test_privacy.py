@@ -11,7 +11,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpivon.errors import DpivonError
-from dpivon.metrics import reliability_diagram
+from dpivon.evaluation.metrics import reliability_diagram
 from dpivon.optim.ivon import DPIVON, IVON
 from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PrivacyPlan, make_private, plan_privacy

@@ -24,19 +24,15 @@ from dpivon.config import TrainConfig
 from dpivon.data import load_cifar10, synthetic_cifar10
 from dpivon.data.corruptions import CORRUPTIONS, corrupt_images, load_corrupted
 from dpivon.errors import DpivonError
-from dpivon.models import build_model
-from dpivon.prediction import Predictions
-from dpivon.runs import load_data, train
-from dpivon.search.pipeline import load_pipeline
-from dpivon.search.sweep import run_sweep
-from dpivon.selective import (
+from dpivon.evaluation.prediction import Predictions
+from dpivon.evaluation.selective import (
     accuracy_at_coverage,
     aurc,
     error_detection_auroc,
     risk_coverage_curve,
     selective_metrics,
 )
-from dpivon.shift import (
+from dpivon.evaluation.shift import (
     DEFAULT_CORRUPTIONS,
     ShiftSet,
     check_shift_request,
@@ -45,6 +41,10 @@ from dpivon.shift import (
     uncertainty_scores,
     validation_shift_scores,
 )
+from dpivon.models import build_model
+from dpivon.runs import load_data, train
+from dpivon.search.pipeline import load_pipeline
+from dpivon.search.sweep import run_sweep
 from dpivon.tracking.model_file import save_model_file
 from dpivon.tracking.served_model import load_scored_model
 

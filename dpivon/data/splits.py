@@ -107,7 +107,7 @@ def load_test_images(
 class DataSplits:
     """Train, validation and test tensor datasets plus the class names, and the uint8
     validation and test images the tensors were made from (what corruptions start from,
-    `dpivon.shift`)."""
+    `dpivon.evaluation.shift`)."""
 
     train: TensorDataset
     val: TensorDataset

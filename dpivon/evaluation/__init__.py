@@ -1,4 +1,5 @@
-"""Predictive distributions: at the posterior mean, or Bayesian model averaging (BMA).
+"""Scoring a trained model. Its predictive: at the posterior mean, or Bayesian model averaging
+(BMA).
 
 For the IVON family the predictive of record is BMA: over ``bma_samples`` posterior draws
 (default 16; the IVON authors use up to 64, 16-64 is enough) for the final test and the
@@ -14,7 +15,10 @@ plan changes how the numbers are computed, never which draws are taken.
 
 - `posterior`: the posterior and its draws; `forward`: the plan and the forward passes;
 - `plans`: measuring and caching the plan; `predictive`: the predictives and their scores;
-- `weight_noise`: a point estimate averaged over isotropic weight noise (IVON's control).
+- `weight_noise`: a point estimate averaged over isotropic weight noise (IVON's control);
+- scoring: `metrics` (accuracy, NLL, ECE, Brier), `calibration` (temperature scaling),
+  `prediction` (a table per image), `selective` (selective prediction, error detection),
+  `shift` (all of them under dataset shift).
 """
 
 from dpivon.evaluation.forward import EvaluationPlan, Params

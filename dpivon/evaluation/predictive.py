@@ -17,9 +17,9 @@ from dpivon.evaluation.forward import (
     softmax_at,
     softmax_of_draws,
 )
+from dpivon.evaluation.metrics import classification_metrics
 from dpivon.evaluation.plans import evaluation_plan
 from dpivon.evaluation.posterior import Posterior, draw_parameters, means_and_stds
-from dpivon.metrics import classification_metrics
 
 
 def _plan(model: nn.Module, batch_size: int | None, draws_per_call: int | None) -> EvaluationPlan:

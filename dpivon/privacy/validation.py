@@ -2,7 +2,7 @@
 that the validation records that steer a sweep's selection are covered by DP too.
 
 It noises the per-bin sums of a reliability diagram (``ReliabilityDiagram.bin_sums`` of
-dpivon.metrics) and derives both scores from the noised sums; the noise comes from the
+dpivon.evaluation.metrics) and derives both scores from the noised sums; the noise comes from the
 run's `Randomness`, like the gradient noise.
 """
 

@@ -18,7 +18,7 @@ from torch import nn
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
-from dpivon.metrics import ReliabilityDiagram, reliability_diagram
+from dpivon.evaluation.metrics import ReliabilityDiagram, reliability_diagram
 from dpivon.optim.ivon import DPIVON
 from dpivon.privacy.validation import private_validation_scores
 from dpivon.runs.checkpoint import restore_training_state, training_state
@@ -45,7 +45,7 @@ from dpivon.runs.setup import (
 # Steps between two measurements of DP-IVON's curvature_update_share (and the first step of
 # each epoch): it costs a second mean update per tensor, a tenth of DP-IVON's step.
 UPDATE_SHARE_EVERY = 10
-# More validation scores of an epoch's model and posterior (`dpivon.shift`'s under shift)
+# More validation scores of an epoch's model and posterior (`dpivon.evaluation.shift`'s under shift)
 ValidationScores = Callable[[nn.Module, Posterior | None], dict[str, float]]
 # A change to each batch before its step (the audit's canaries)
 BatchFilter = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

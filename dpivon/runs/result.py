@@ -12,7 +12,7 @@ from torch import nn
 from dpivon.config import TrainConfig
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
-from dpivon.metrics import ReliabilityDiagram, json_number
+from dpivon.evaluation.metrics import ReliabilityDiagram, json_number
 from dpivon.privacy.engine import PrivacyPlan
 from dpivon.privacy.noise import RESEARCH_MODE_WARNING
 from dpivon.privacy.tuning import TrialMechanism, compose_with_tuning
@@ -66,7 +66,7 @@ class TrainResult:
     posterior: Posterior | None
     wall_time_s: float
     extra: dict[str, float] = field(default_factory=dict)
-    # every set scored under shift (`dpivon.shift.ShiftResult.record`: rows, images,
+    # every set scored under shift (`dpivon.evaluation.shift.ShiftResult.record`: rows, images,
     # seconds), where the run was; its means per severity are in ``test`` as shift_s<k>_*
     shift_record: dict[str, Any] | None = None
     engine: str | None = None  # the clipping engine ``auto`` resolved to (private runs)

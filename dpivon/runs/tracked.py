@@ -10,12 +10,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from dpivon.config import TrainConfig
+from dpivon.evaluation.shift import SHIFT_FILE
 from dpivon.plots import plot_reliability_diagram
 from dpivon.privacy.noise import noise_tags
 from dpivon.runs.checkpoint import RunCheckpoint
 from dpivon.runs.release import released_metrics
 from dpivon.runs.result import TrainResult
-from dpivon.shift import SHIFT_FILE
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.served_model import log_model
 

@@ -41,7 +41,7 @@ DEFAULT_REFERENCE: dict[str, float] = {
     "val_nll": math.log(10.0),
     "val_brier": 2.0,
 }
-# the same metrics on corrupted validation images (`dpivon.shift`) have the same bounds
+# the same metrics on corrupted validation images (`dpivon.evaluation.shift`) have the same bounds
 DEFAULT_REFERENCE.update(
     {f"val_shift_{m}": DEFAULT_REFERENCE[f"val_{m}"] for m in ("accuracy", "ece", "nll")}
 )

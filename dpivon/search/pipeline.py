@@ -62,8 +62,8 @@ current directory. ASHA (``asha``) stops trials on the FIRST objective, reported
 it needs ``epochs`` >= 2 and ``grace_period`` < ``epochs``. Objectives are metrics among
 ``val_accuracy`` (max), ``val_ece``, ``val_nll``, ``val_brier`` (min), and under dataset
 shift ``val_shift_accuracy`` (max), ``val_shift_ece``, ``val_shift_nll`` (min): every epoch,
-the means over `dpivon.shift`'s default corruptions at ``shift_severity`` (default 3, 1-5)
-of the validation images (at most 50 per class).
+the means over `dpivon.evaluation.shift`'s default corruptions at ``shift_severity``
+(default 3, 1-5) of the validation images (at most 50 per class).
 
 A non-private optimizer spends no budget, so its trials form one group labelled
 ``eps=inf`` (epsilon inf in its configs and runs) whatever ``epsilons`` lists.
@@ -140,7 +140,7 @@ METRIC_MODES: dict[str, str] = {
     "val_ece": "min",
     "val_nll": "min",
     "val_brier": "min",
-    # under shift (`dpivon.shift`): the default corruptions at `shift_severity` of the
+    # under shift (`dpivon.evaluation.shift`): the default corruptions at `shift_severity` of the
     # validation images, scored every epoch (costlier than the clean validation)
     "val_shift_accuracy": "max",
     "val_shift_ece": "min",

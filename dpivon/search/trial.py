@@ -26,6 +26,7 @@ from ray import tune
 
 from dpivon.config import TrainConfig, parse_config
 from dpivon.data import DataSplits
+from dpivon.evaluation.shift import validation_shift_scores
 from dpivon.runs import (
     EpochReport,
     RunCheckpoint,
@@ -35,7 +36,6 @@ from dpivon.runs import (
 )
 from dpivon.search.pipeline import METRIC_MODES
 from dpivon.search.space import SearchSpace
-from dpivon.shift import validation_shift_scores
 from dpivon.tracking.model_file import save_model_file
 
 RESUME_FILE = "resume.pt"

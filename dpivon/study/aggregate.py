@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dpivon.calibration import is_determined
-from dpivon.metrics import ReliabilityDiagram
+from dpivon.evaluation.calibration import is_determined
+from dpivon.evaluation.metrics import ReliabilityDiagram
 from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
 from dpivon.study.significance import (
     UNKNOWN,

@@ -2,7 +2,7 @@
 
 Each run is one Ray task (the resources of the pipeline): the one `dpivon.runs.train`,
 then the test set evaluated with train's own evaluation, a temperature fitted on the
-validation predictive (`dpivon.calibration`) and the tempered test predictive scored.
+validation predictive (`dpivon.evaluation.calibration`) and the tempered test predictive scored.
 The driver alone writes MLflow, like a sweep's: one parent run per benchmark, one child
 run per (method, epsilon, seed), created when the run is submitted and filled in when it
 returns (per-epoch history, final metrics, reliability bins). Every wait has a deadline:
@@ -35,7 +35,6 @@ from ray.util.queue import Queue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dpivon.calibration import apply_temperature, fit_temperature
 from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
@@ -44,7 +43,13 @@ from dpivon.evaluation import (
     evaluate_as_configured,
     weight_noise_posterior,
 )
-from dpivon.metrics import ReliabilityDiagram, classification_metrics, reliability_diagram
+from dpivon.evaluation.calibration import apply_temperature, fit_temperature
+from dpivon.evaluation.metrics import (
+    ReliabilityDiagram,
+    classification_metrics,
+    reliability_diagram,
+)
+from dpivon.evaluation.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.optim.registry import IVONOptions
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
@@ -64,7 +69,6 @@ from dpivon.runs import (
 from dpivon.runs.checkpoint import CHECKPOINT_FIELDS, CHECKPOINT_LAYOUT
 from dpivon.runs.tracked import log_training_result
 from dpivon.saved_files import FORMAT_KEY, read_saved
-from dpivon.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.study.aggregate import load_records
 from dpivon.study.attribution import add_attribution_blocks
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
@@ -130,7 +134,7 @@ def score_on_test(
     same numbers `evaluate_test=True` gives);
     evaluating it twice would double the cost of a run (BMA over the whole test set).
     With ``shift_set`` the test metrics gain ``shift_s<k>_*``: the predictive on that set's
-    clean and corrupted test images (`dpivon.shift`).
+    clean and corrupted test images (`dpivon.evaluation.shift`).
     """
     config = result.config
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpivon.calibration import MIN_FIT_IMAGES
+from dpivon.evaluation.calibration import MIN_FIT_IMAGES
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.study.aggregate import (
     SUMMARISED,
@@ -74,7 +74,8 @@ STATISTICS_RULE = (
     "verdict whose Holm p exceeds 0.05 may be one of the family's chance findings."
 )
 TEMPERATURE_NOTE = (
-    "NLL (TS) and ECE (TS) are after post-hoc temperature scaling (`dpivon.calibration`): "
+    "NLL (TS) and ECE (TS) are after post-hoc temperature scaling "
+    "(`dpivon.evaluation.calibration`): "
     "one temperature T per run, fitted by NLL on the validation split's predictive and "
     "applied to the test predictive (accuracy is unchanged). It uses the validation records "
     "with exact scores, as the sweep does: they are held out from training, so the training "

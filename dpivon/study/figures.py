@@ -1,5 +1,5 @@
 """The benchmark report's figures: metrics versus epsilon per method (mean, error bars one
-std over seeds), reliability diagrams pooled over seeds (`dpivon.metrics`), the
+std over seeds), reliability diagrams pooled over seeds (`dpivon.evaluation.metrics`), the
 curvature-collapse diagnostics over training, and a tuning sweep's Pareto fronts
 (`dpivon.search.pareto_views`)."""
 
@@ -16,7 +16,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dpivon.metrics import ReliabilityDiagram
+from dpivon.evaluation.metrics import ReliabilityDiagram
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.plots import plot_reliability_diagram
 from dpivon.study.aggregate import RunRecord, pooled_reliability

@@ -1,8 +1,9 @@
-"""The benchmark report's blocks on uncertainty under dataset shift (`dpivon.shift`): accuracy
-and ECE against corruption severity per method, as Ovadia et al. (NeurIPS 2019) plot them,
-and the selective-prediction and error-detection table. They read the ``test_shift_s<k>_*``
-metrics that a benchmark with ``shift: default`` (or ``full``) logs for each run; a run
-without them is left out, and a report with none says how to get them.
+"""The benchmark report's blocks on uncertainty under dataset shift
+(`dpivon.evaluation.shift`): accuracy and ECE against corruption severity per method, as
+Ovadia et al. (NeurIPS 2019) plot them, and the selective-prediction and error-detection
+table. They read the ``test_shift_s<k>_*`` metrics that a benchmark with ``shift: default``
+(or ``full``) logs for each run; a run without them is left out, and a report with none says
+how to get them.
 
 Where the benchmark names each private method's non-private ``reference``, the section ends
 with what privacy costs under shift: per seed, the accuracy privacy takes and the ECE and
@@ -25,7 +26,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from dpivon.shift import ShiftSet
+from dpivon.evaluation.shift import ShiftSet
 from dpivon.study.aggregate import (
     RunRecord,
     compare,
@@ -71,7 +72,8 @@ SHIFT_NOTE = (
     "set is predicted with the run's own predictive (BMA for the IVON family)."
 )
 SELECTIVE_NOTE = (
-    "Selective prediction (`dpivon.selective`): AURC, the mean error rate over all coverages "
+    "Selective prediction (`dpivon.evaluation.selective`): AURC, the mean error rate over "
+    "all coverages "
     "when the least certain predictions are set aside first (lower is better), and the "
     "accuracy of the 90 % and 80 % most certain predictions, by max-probability; error "
     "detection: the AUROC of telling wrong predictions from right ones by 1 - max-probability, "

@@ -29,7 +29,7 @@ shown)::
     research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
     train: {bma_samples: 8}          # more fixed TrainConfig keys for every run
     shift: none                      # default | full: also score each run's model under
-                                     # dataset shift (dpivon.shift; the report's shift
+                                     # dataset shift (dpivon.evaluation.shift; the report's shift
                                      # figure and selective-prediction table)
     weight_noise_scales: []          # e.g. [0.002, 0.005, 0.01]: also score each
                                      # point-estimate model averaged over weight noise

@@ -24,7 +24,7 @@ from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE
 from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError, first_line
 from dpivon.evaluation import Posterior
-from dpivon.prediction import predict_with_uncertainty, predictions_frame
+from dpivon.evaluation.prediction import predict_with_uncertainty, predictions_frame
 from dpivon.privacy.noise import noise_tags
 from dpivon.tracking.client import Tracker, fluent_tracking_uri, resolve_tracking_uri
 from dpivon.tracking.model_file import load_model_file, save_model_file
@@ -36,7 +36,8 @@ ENTRY_POINT = PACKAGE / "mlflow_model.py"
 class PosteriorClassifier(mlflow.pyfunc.PythonModel):
     """MLflow pyfunc: a batch of images -> one row per image with the class, its
     probability, the predictive entropy, the mutual information across posterior draws
-    (IVON family) and every class's probability (:func:`dpivon.prediction.predictions_frame`).
+    (IVON family) and every class's probability
+    (:func:`dpivon.evaluation.prediction.predictions_frame`).
 
     Images as people have them: uint8 (or any integer) pixels 0-255, or floats in [0, 1],
     (N, 32, 32, 3) or (N, 3, 32, 32); the CIFAR normalisation happens here. Tensors already

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from dpivon.metrics import NLL_EPSILON, validated_predictions
+from dpivon.evaluation.metrics import NLL_EPSILON, validated_predictions
 
 LOG_TEMPERATURE_BOUNDS = (math.log(1e-2), math.log(1e2))
 # Fewer validation images leave the one-parameter fit to a few of them (Guo et al. fit on

@@ -3,10 +3,11 @@ their CIFAR-10-C-style corruptions (`dpivon.data.corruptions`), severity by seve
 Ovadia et al. ("Can you trust your model's uncertainty?", NeurIPS 2019) evaluate it.
 
 Each set (clean = severity 0, then every corruption at every severity) gets the
-classification metrics (`dpivon.metrics`) and the selective-prediction and error-detection
-ones (`dpivon.selective`) for the scores max-probability, entropy and, for a posterior
-predictive, mutual information. Every set is predicted with the same posterior draws (one
-generator seed per set), so differences between severities are not draw noise.
+classification metrics (`dpivon.evaluation.metrics`) and the selective-prediction and error-
+detection ones (`dpivon.evaluation.selective`) for the scores max-probability, entropy and,
+for a posterior predictive, mutual information. Every set is predicted with the same
+posterior draws (one generator seed per set), so differences between severities are not draw
+noise.
 
 Two shift sets: ``default``, what a CPU affords per model (`DEFAULT_CORRUPTIONS`, one per
 CIFAR-10-C family, on a class-stratified 500 of the 10,000 test images, all five
@@ -36,9 +37,9 @@ from dpivon.data.corruptions import (
 from dpivon.data.images import model_input
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
-from dpivon.metrics import classification_metrics, json_number
-from dpivon.prediction import Predictions, predict_with_uncertainty
-from dpivon.selective import selective_metrics
+from dpivon.evaluation.metrics import classification_metrics, json_number
+from dpivon.evaluation.prediction import Predictions, predict_with_uncertainty
+from dpivon.evaluation.selective import selective_metrics
 
 # One corruption of each CIFAR-10-C family (noise, blur, weather, digital), each cheap to
 # make (under 2.5 ms an image here) and growing away from the clean image with severity.

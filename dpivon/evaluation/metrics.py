@@ -20,7 +20,7 @@ NLL_EPSILON = 1e-12
 
 def validated_predictions(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Check shapes, dtypes and ranges; return detached ``probs`` and int64 ``labels``.
-    Every metric (and the temperature fit of dpivon.calibration) starts with it."""
+    Every metric (and the temperature fit of dpivon.evaluation.calibration) starts with it."""
     if not isinstance(probs, Tensor) or not isinstance(labels, Tensor):
         raise TypeError("probs and labels must be torch.Tensor")
     if probs.ndim != 2:

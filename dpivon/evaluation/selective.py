@@ -9,7 +9,7 @@ coverage reads it at two points. The error-detection AUROC is the probability th
 prediction is scored more uncertain than a right one (ties count one half): 0.5 is a score
 that knows nothing. Each uses one uncertainty score per prediction, higher meaning less
 sure: one minus the top probability, the predictive entropy, or (IVON family) the mutual
-information across posterior draws (`dpivon.prediction`).
+information across posterior draws (`dpivon.evaluation.prediction`).
 """
 
 from __future__ import annotations
