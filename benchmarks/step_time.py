@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
 from dpivon.logs import quiet_known_output
-from dpivon.optim.ivon import DPIVON
+from dpivon.optim.dp_ivon import DPIVON
 from dpivon.privacy.engine import plan_privacy
 from dpivon.process import configure_process, preload_jemalloc
 from dpivon.runs import (

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from dpivon.cli import app
 from dpivon.config import parse_config
-from dpivon.optim.ivon import (
+from dpivon.optim.registry import OPTIMIZERS, IVONOptions
+from dpivon.optim.rules import (
     beta2_for_horizon_share,
     curvature_horizon_share,
     learned_curvature_share,
 )
-from dpivon.optim.registry import OPTIMIZERS, IVONOptions
 from dpivon.runs import frozen_curvature_warning, planned_curvature_share, train
 from dpivon.search.export import target_config
 from dpivon.search.pipeline import load_pipeline

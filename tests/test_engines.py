@@ -18,7 +18,7 @@ from dpivon.config import parse_config
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior, posterior_draws, predict_bma, predict_probs
 from dpivon.models import build_model
-from dpivon.optim.ivon import DPIVON
+from dpivon.optim.dp_ivon import DPIVON
 from dpivon.privacy.bookkeeping import (
     BookKeeping,
     BookKeepingLoss,

@@ -21,19 +21,18 @@ from torch import nn
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
 from dpivon.optim.build import build_optimizer
-from dpivon.optim.ivon import (
+from dpivon.optim.curvature import (
     CLAMPED_NOISE_MEAN,
-    DPIVON,
     clamped_noise_share,
     ema_noise_corrected_squared_gradient,
-    ema_update,
-    floored_hessian,
     gradient_snr,
-    lower_quantiles,
     noise_corrected_squared_gradient,
     pooled_noise_corrected_squared_gradient,
     shrunk_squared_gradient,
 )
+from dpivon.optim.dp_ivon import DPIVON
+from dpivon.optim.registry import CURVATURE_ESTIMATORS
+from dpivon.optim.rules import ema_update, floored_hessian, hessian_update, lower_quantiles
 from dpivon.runs import train
 
 DTYPE = torch.float64
@@ -394,3 +393,30 @@ def test_training_reports_the_diagnostics_and_respects_the_floor():
         assert math.isfinite(metrics[key]), key
     assert metrics["hess_q10"] >= 0.4
     assert 0.0 < metrics["projected_fraction"] < 1.0
+
+
+def constant_curvature_rule(squared_g_dp, noise_variance, state, settings) -> torch.Tensor:
+    """A toy estimator: v_hat = 4 everywhere, counting its calls in the optimizer state."""
+    state["toy_calls"] = state.get("toy_calls", 0) + 1
+    return torch.full_like(squared_g_dp, 4.0)
+
+
+def test_a_curvature_estimator_is_one_entry_in_one_table(monkeypatch):
+    unknown = {"dataset": "synthetic", "optimizer": "dp-ivon-gradsq", "epsilon": 8.0}
+    with pytest.raises(DpivonError, match="unknown curvature estimator 'toy'"):
+        parse_config({**unknown, "curvature_estimator": "toy"})
+    monkeypatch.setitem(CURVATURE_ESTIMATORS, "toy", f"{__name__}:constant_curvature_rule")
+    config = parse_config(
+        {
+            **unknown, "synthetic_size": 300, "epochs": 1, "batch_size": 32, "bma_samples": 2,
+            "device": "cpu", "curvature_estimator": "toy", "beta2": 0.5, "hess_init": 0.1,
+        }
+    )  # fmt: skip
+    result = train(config, evaluate_test=False)
+    # v_hat = 4 whatever the gradients: h follows IVON's recursion from hess_init with
+    # h_hat = 4 ess at every step, ess the training-set size (300 images less 30 validation)
+    expected = torch.tensor([0.1])
+    for _ in range(config.planned_steps):
+        expected = hessian_update(expected, torch.tensor([4.0 * 270]), 0.5, 2e-4)
+    assert config.optimizer.weight_decay == 2e-4
+    assert result.history[-1]["hess_median"] == pytest.approx(expected.item(), rel=1e-5)

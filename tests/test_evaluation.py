@@ -25,7 +25,7 @@ from dpivon.evaluation import (
     predict_bma,
 )
 from dpivon.models import build_model
-from dpivon.optim.ivon import DPIVON
+from dpivon.optim.dp_ivon import DPIVON
 from dpivon.process import ALLOCATOR_ENV, environment_variable, keep_freed_memory
 from dpivon.runs import PHASES, load_data, train
 

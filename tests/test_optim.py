@@ -18,7 +18,9 @@ from torch import nn
 from dpivon.config import OPTIMIZER_NAMES, TrainConfig
 from dpivon.optim.adambc import DPAdamBC
 from dpivon.optim.build import build_optimizer
-from dpivon.optim.ivon import DPIVON, IVON, gradsq_hessian, mean_update
+from dpivon.optim.dp_ivon import DPIVON
+from dpivon.optim.ivon import IVON
+from dpivon.optim.rules import gradsq_hessian, mean_update
 
 DTYPE = torch.float64
 N_IN, N_HIDDEN, N_OUT = 4, 6, 3

@@ -120,7 +120,7 @@ def test_dpivon_optim_exports_its_optimizers_without_importing_torch_for_the_reg
     import dpivon.optim
     from dpivon.optim import DPIVON, IVON, DPAdamBC
     from dpivon.optim.adambc import DPAdamBC as adambc_home
-    from dpivon.optim.ivon import DPIVON as dpivon_home
+    from dpivon.optim.dp_ivon import DPIVON as dpivon_home
     from dpivon.optim.ivon import IVON as ivon_home
 
     assert sorted(dpivon.optim.__all__) == ["DPAdamBC", "DPIVON", "IVON"]

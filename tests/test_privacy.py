@@ -12,7 +12,8 @@ from torch import nn
 
 from dpivon.errors import DpivonError
 from dpivon.evaluation.metrics import reliability_diagram
-from dpivon.optim.ivon import DPIVON, IVON
+from dpivon.optim.dp_ivon import DPIVON
+from dpivon.optim.ivon import IVON
 from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PrivacyPlan, make_private, plan_privacy
 from dpivon.privacy.noise import SecureRandomness, SeededRandomness

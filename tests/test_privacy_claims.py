@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from dpivon.cli import app
 from dpivon.config import TrainConfig, parse_config
 from dpivon.errors import DpivonError
-from dpivon.optim.ivon import DPIVON, hessian_update, price_hessian
+from dpivon.optim.dp_ivon import DPIVON
+from dpivon.optim.rules import hessian_update, price_hessian
 from dpivon.privacy.accounting import classic_rdp_epsilon, epsilon_spent
 from dpivon.privacy.engine import make_private, plan_privacy
 from dpivon.privacy.noise import SeededRandomness

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dpivon.optim.ivon import IVON, posterior_std
+from dpivon.optim.ivon import IVON
+from dpivon.optim.rules import posterior_std
 
 Params = dict[str, Tensor]
 

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dpivon.optim.adambc import DPAdamBC
-    from dpivon.optim.ivon import DPIVON, IVON
+    from dpivon.optim.dp_ivon import DPIVON
+    from dpivon.optim.ivon import IVON
 
 __all__ = ["DPIVON", "IVON", "DPAdamBC"]
 
 _HOMES = {
     "IVON": "dpivon.optim.ivon",
-    "DPIVON": "dpivon.optim.ivon",
+    "DPIVON": "dpivon.optim.dp_ivon",
     "DPAdamBC": "dpivon.optim.adambc",
 }
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dpivon.optim.ivon import bias_corrected, ema_update
+from dpivon.optim.rules import bias_corrected, ema_update
 
 
 def noise_corrected_second_moment(

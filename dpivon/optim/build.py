@@ -8,7 +8,8 @@ from collections.abc import Iterable
 import torch
 
 from dpivon.optim.adambc import DPAdamBC
-from dpivon.optim.ivon import DPIVON, IVON
+from dpivon.optim.dp_ivon import DPIVON
+from dpivon.optim.ivon import IVON
 from dpivon.optim.registry import (
     AdamBCOptions,
     AdamOptions,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
@@ -33,11 +33,33 @@ from dpivon.constraints import (
     Rate,
 )
 
-# The choices of DP-IVON's estimators (dpivon.optim.ivon dispatches on them): an estimator is
-# added here and there, nowhere else.
+# The choices of IVON's Hessian estimate (dpivon.optim.ivon) and of DP-IVON-Gradsq's
+# curvature pools (dpivon.optim.curvature).
 HessianEstimator = Literal["price", "gradsq"]
-CurvatureEstimator = Literal["per-step", "ema-corrected", "pooled", "shrinkage"]
 CurvaturePool = Literal["tensor", "channel"]
+HESSIAN_ESTIMATORS: tuple[str, ...] = get_args(HessianEstimator)
+CURVATURE_POOLS: tuple[str, ...] = get_args(CurvaturePool)
+# DP-IVON-Gradsq's curvature estimators, name -> its rule as ``module:function`` (see
+# dpivon.optim.curvature for the rule's signature): adding an estimator is one entry here.
+# Rules load when an optimizer is built, so a config names one without importing torch.
+CURVATURE_ESTIMATORS: dict[str, str] = {
+    "per-step": "dpivon.optim.curvature:per_step_rule",
+    "ema-corrected": "dpivon.optim.curvature:ema_corrected_rule",
+    "pooled": "dpivon.optim.curvature:pooled_rule",
+    "shrinkage": "dpivon.optim.curvature:shrinkage_rule",
+}
+
+
+def check_curvature_estimator(name: str) -> str:
+    if name not in CURVATURE_ESTIMATORS:
+        raise ValueError(
+            f"unknown curvature estimator {name!r}; choose one of: "
+            f"{', '.join(CURVATURE_ESTIMATORS)}"
+        )
+    return name
+
+
+CurvatureEstimator = Annotated[str, AfterValidator(check_curvature_estimator)]
 # Posterior samples per training step: each is a forward and backward pass of the batch
 MAX_MC_SAMPLES = 64
 
@@ -158,7 +180,7 @@ class DPIVONOptions(IVONOptions):
 
 
 class GradsqIVONOptions(DPIVONOptions):
-    """DP-IVON-Gradsq: how v_hat is estimated from g_dp (see dpivon.optim.ivon). Every
+    """DP-IVON-Gradsq: how v_hat is estimated from g_dp (see dpivon.optim.curvature). Every
     estimator is post-processing of g_dp: none costs privacy."""
 
     noise_correction: Bool = True

@@ -19,7 +19,7 @@ from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.evaluation import Evaluation, Posterior, evaluate_as_configured
 from dpivon.evaluation.metrics import ReliabilityDiagram, reliability_diagram
-from dpivon.optim.ivon import DPIVON
+from dpivon.optim.dp_ivon import DPIVON
 from dpivon.privacy.validation import private_validation_scores
 from dpivon.runs.checkpoint import restore_training_state, training_state
 from dpivon.runs.phases import PhaseTimes, timed_batches

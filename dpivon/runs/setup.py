@@ -19,8 +19,9 @@ from dpivon.errors import DpivonError
 from dpivon.machine import check_memory
 from dpivon.models import build_model
 from dpivon.optim.build import build_optimizer
-from dpivon.optim.ivon import IVON, beta2_for_horizon_share, curvature_horizon_share
+from dpivon.optim.ivon import IVON
 from dpivon.optim.registry import IVONOptions
+from dpivon.optim.rules import beta2_for_horizon_share, curvature_horizon_share
 from dpivon.privacy.accounting import (
     check_fixed_noise_fits,
     check_reachable,

@@ -52,7 +52,7 @@ AGGREGATED: dict[str, str] = {
     "test_wna_ece": "min",
     "test_wna_shift_s3_ece": "min",
 }
-# Per-epoch keys the collapse diagnostics read (dpivon.optim.ivon.DPIVON documents them).
+# Per-epoch keys the collapse diagnostics read (dpivon.optim.dp_ivon.DPIVON documents them).
 DIAGNOSTIC_KEYS = (
     "projected_fraction",
     "hess_median",

@@ -113,7 +113,7 @@ _DIAGNOSTIC_COLUMNS = (
     ("last_curvature_update_share", "curvature's share of a step", 1.0, 3),
 )
 DIAGNOSTICS_NOTE = (
-    "At the last epoch, mean [95 % interval] over seeds (`dpivon.optim.ivon.DPIVON` documents "
+    "At the last epoch, mean [95 % interval] over seeds (`dpivon.optim.dp_ivon.DPIVON` documents "
     "them): "
     "projected fraction, the epoch's mean share of coordinates whose noise-corrected v_hat "
     "was negative and projected to zero (the curvature collapse); clamped-noise share of h, "
@@ -693,7 +693,7 @@ def _add_diagnostics(report: Report, records: Sequence[RunRecord], methods: Sequ
     report.figures["diagnostics.png"] = png_bytes(figure)
     with_diagnostics = {r.method for r in records if r.history}
     without = [m for m in methods if m in {r.method for r in records} - with_diagnostics]
-    caption = "Per-epoch values logged by training (`dpivon.optim.ivon.DPIVON`), mean over seeds"
+    caption = "Per-epoch values logged by training (`dpivon.optim.dp_ivon.DPIVON`), mean over seeds"
     if without:
         caption += f"; methods without them ({', '.join(without)}) are not drawn"
     report.blocks.append(Images(["diagnostics.png"], caption + "."))
