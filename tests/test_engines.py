@@ -25,7 +25,14 @@ from dpivon.privacy.bookkeeping import (
     conv_patch_gram,
     prefer_ghost_norm,
 )
-from dpivon.privacy.engine import make_private, plan_privacy, resolve_engine
+from dpivon.privacy.engine import (
+    make_private,
+    plan_privacy,
+    resolve_engine,
+    wire_grad_sample_mode,
+)
+from dpivon.privacy.names import ENGINES as ENGINE_TABLE
+from dpivon.privacy.names import Engine
 from dpivon.privacy.noise import SeededRandomness
 from dpivon.runs import build_training, load_data, resolve_device, train, train_step
 from dpivon.search.space import load_search_space
@@ -355,3 +362,31 @@ def test_cli_engine_hooks_and_the_default_train_the_same_model(tmp_path):
     assert summary["engine"] == "hooks"
     assert summary["val_nll"] == pytest.approx(hooks.val["nll"], rel=1e-9)
     assert summary["val_nll"] == pytest.approx(default.val["nll"], rel=1e-4)
+
+
+WIRED: list[str] = []
+
+
+def counting_hooks_wiring(engine, model, optimizer, noise):
+    """A toy engine: Opacus hooks, recording that it was the one wired."""
+    WIRED.append(engine)
+    return wire_grad_sample_mode("hooks", model, optimizer, noise)
+
+
+def test_an_engine_is_one_entry_in_one_table(monkeypatch):
+    keys = {
+        "dataset": "synthetic", "synthetic_size": 200, "optimizer": "dp-sgd", "epsilon": 8.0,
+        "epochs": 1, "batch_size": 32, "device": "cpu", "engine": "toy",
+    }  # fmt: skip
+    with pytest.raises(DpivonError, match="unknown engine 'toy'"):
+        parse_config(keys)
+    monkeypatch.setitem(ENGINE_TABLE, "toy", Engine(f"{__name__}:counting_hooks_wiring", False))
+    WIRED.clear()
+    result = train(parse_config(keys), evaluate_test=False)
+    assert WIRED == ["toy"] and result.engine == "toy"
+    assert result.history[-1]["steps"] == parse_config(keys).planned_steps
+    # the entry's one flag carries the engine's one rule: one backward, one posterior sample
+    monkeypatch.setitem(ENGINE_TABLE, "toy", Engine(f"{__name__}:counting_hooks_wiring", True))
+    ivon = {**keys, "optimizer": "dp-ivon-gradsq", "mc_samples": 2}
+    with pytest.raises(DpivonError, match="engine toy clips the gradients of one backward"):
+        parse_config(ivon)

@@ -22,10 +22,12 @@ in every one, and every one reads the clipped sum from ``p.summed_grad`` in ``ad
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from opacus.accountants import IAccountant, create_accountant
@@ -50,13 +52,17 @@ from dpivon.privacy.bookkeeping import (
     trainable_layers,
     unsupported_layers,
 )
-from dpivon.privacy.names import EngineName, PerSampleEngine, check_engine_samples
+from dpivon.privacy.names import (
+    AUTO_ENGINE,
+    ENGINES,
+    check_engine_samples,
+    per_sample_engines,
+)
 from dpivon.privacy.noise import NoiseFromRandomness, Randomness
 from dpivon.privacy.sampling import PoissonBatches
 
 # Opacus grad-sample modes that plug into the standard DPOptimizer (clip in pre_step).
-PER_SAMPLE_ENGINES: tuple[str, ...] = get_args(PerSampleEngine)
-ENGINES: tuple[str, ...] = get_args(EngineName)
+PER_SAMPLE_ENGINES: tuple[str, ...] = per_sample_engines()
 # Layer types torch's ExpandedWeights (engine ew) has per-sample rules for.
 _EW_LAYERS = (
     nn.Linear,
@@ -195,13 +201,15 @@ def resolve_engine(engine: str, model: nn.Module, mc_samples: int = 1) -> str:
     layer and a step is one backward pass (mc_samples == 1), else Opacus ``hooks``. Errors
     name the offending layers.
     """
-    if engine not in ENGINES:
-        raise DpivonError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if engine != AUTO_ENGINE and engine not in ENGINES:
+        raise DpivonError(
+            f"unknown engine {engine!r}; choose one of: {', '.join([AUTO_ENGINE, *ENGINES])}"
+        )
     refused = _opacus_refusals(model)
     if refused:
         raise DpivonError("the model has layers private training cannot use: " + "; ".join(refused))
     bk_problems = unsupported_layers(model)
-    if engine == "auto":
+    if engine == AUTO_ENGINE:
         return "bk" if not bk_problems and mc_samples == 1 else "hooks"
     check_engine_samples(engine, mc_samples)
     if engine == "bk" and bk_problems:
@@ -259,31 +267,49 @@ class EmptyBatchBypass(nn.Module):
         return gsm._module(x)
 
 
-def _wire_engine(
+# --- the wirings (dpivon.privacy.names.ENGINES) ---------------------------------------------
+# Each gives (module to run, private optimizer, criterion); ``noise`` holds the DPOptimizer
+# arguments, the same for every engine.
+
+
+def wire_book_keeping(
     engine: str, model: nn.Module, optimizer: torch.optim.Optimizer, noise: dict[str, Any]
 ) -> tuple[nn.Module, DPOptimizer, nn.Module]:
-    """(module to run, private optimizer, criterion) of ``engine``; ``noise`` holds the
-    DPOptimizer arguments, the same for every engine."""
-    criterion = nn.CrossEntropyLoss()
-    if engine == "bk":
-        clipper = BookKeeping(model, noise["max_grad_norm"])
-        private = BookKeepingDPOptimizer(optimizer, clipper=clipper, **noise)
-        return model, private, BookKeepingLoss(criterion, clipper)
-    if engine == "ghost":
-        module = GradSampleModuleFastGradientClipping(
-            model,
-            batch_first=True,
-            loss_reduction="mean",
-            max_grad_norm=noise["max_grad_norm"],
-            use_ghost_clipping=True,
-        )
-        private = NoisedFastGradientClippingOptimizer(optimizer, **noise)
-        return module, private, DPLossFastGradientClipping(module, private, criterion, "mean")
+    clipper = BookKeeping(model, noise["max_grad_norm"])
+    private = BookKeepingDPOptimizer(optimizer, clipper=clipper, **noise)
+    return model, private, BookKeepingLoss(nn.CrossEntropyLoss(), clipper)
+
+
+def wire_ghost_clipping(
+    engine: str, model: nn.Module, optimizer: torch.optim.Optimizer, noise: dict[str, Any]
+) -> tuple[nn.Module, DPOptimizer, nn.Module]:
+    module = GradSampleModuleFastGradientClipping(
+        model,
+        batch_first=True,
+        loss_reduction="mean",
+        max_grad_norm=noise["max_grad_norm"],
+        use_ghost_clipping=True,
+    )
+    private = NoisedFastGradientClippingOptimizer(optimizer, **noise)
+    criterion = DPLossFastGradientClipping(module, private, nn.CrossEntropyLoss(), "mean")
+    return module, private, criterion
+
+
+def wire_grad_sample_mode(
+    engine: str, model: nn.Module, optimizer: torch.optim.Optimizer, noise: dict[str, Any]
+) -> tuple[nn.Module, DPOptimizer, nn.Module]:
+    """Opacus's grad-sample module in mode ``engine`` (hooks, functorch or ew)."""
     module = prepare_module(model, engine, batch_first=True, loss_reduction="mean")
     module.forbid_grad_accumulation()  # Poisson sampling: one backward per step
     if engine in ("functorch", "ew"):
         module = EmptyBatchBypass(module)
-    return module, NoisedDPOptimizer(optimizer, **noise), criterion
+    return module, NoisedDPOptimizer(optimizer, **noise), nn.CrossEntropyLoss()
+
+
+def engine_wiring(engine: str) -> Callable[..., tuple[nn.Module, DPOptimizer, nn.Module]]:
+    """The wiring that ``engine`` is registered with."""
+    module, function = ENGINES[engine].wiring.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def make_private(
@@ -315,7 +341,8 @@ def make_private(
         loss_reduction="mean",
         randomness=randomness,
     )
-    module, private_optimizer, criterion = _wire_engine(engine, model, optimizer, noise)
+    wire = engine_wiring(engine)
+    module, private_optimizer, criterion = wire(engine, model, optimizer, noise)
     accountant = create_accountant(mechanism=plan.accountant)
     # The accountant's hook is the optimizer's only step hook (a second would replace it).
     private_optimizer.attach_step_hook(
