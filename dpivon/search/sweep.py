@@ -42,6 +42,7 @@ from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.logs import logger_level
+from dpivon.orchestration.folder_lock import FolderLock
 from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
@@ -425,6 +426,19 @@ def run_sweep(
     storage = pipeline.storage
     check_fits_here(pipeline.resources, address, "trial")
     storage.check_writable()
+    # one driver per folder, new or resumed: a second one is refused before MLflow and Ray
+    with FolderLock(storage, f"sweep {pipeline.name!r}"):
+        return _run_holding_folder(pipeline, storage, address, tracking_uri, resume)
+
+
+def _run_holding_folder(
+    pipeline: Pipeline,
+    storage: ResultsStorage,
+    address: str | None,
+    tracking_uri: str | None,
+    resume: bool,
+) -> pd.DataFrame:
+    """:func:`run_sweep` once its folder is this driver's."""
     tracking_wait_s()  # a bad $DPIVON_TRACKING_WAIT_S fails now, not when the trials end
     exists = SweepState.exists(storage)
     if exists and not resume:

@@ -51,6 +51,7 @@ from dpivon.evaluation.metrics import (
 )
 from dpivon.evaluation.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
 from dpivon.optim.registry import IVONOptions
+from dpivon.orchestration.folder_lock import FolderLock
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
@@ -772,6 +773,20 @@ def run_benchmark(
     if not report_only:
         check_fits_here(pipeline.resources, address, "run")
     pipeline.storage.check_writable()
+    # one driver per folder, --resume and --report-only (which writes the report) too: a
+    # second one is refused before MLflow and Ray
+    with FolderLock(pipeline.storage, f"benchmark {pipeline.name!r}"):
+        return _run_holding_folder(pipeline, address, tracking_uri, resume, report_only)
+
+
+def _run_holding_folder(
+    pipeline: BenchmarkPipeline,
+    address: str | None,
+    tracking_uri: str | None,
+    resume: bool,
+    report_only: bool,
+) -> BenchmarkOutcome:
+    """:func:`run_benchmark` once its folder is this driver's."""
     if report_only:
         return _report_only(
             pipeline, Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
