@@ -541,6 +541,17 @@ def audit(
     )
 
 
+# A model folder whose loader or code differs from the installed dpivon's is refused
+# (dpivon.tracking.model_trust): loading it would run that code.
+TrustModelCode = Opt[
+    bool,
+    typer.Option(
+        "--trust-model-code",
+        help="load a model whose code is not the installed dpivon's (it runs that code)",
+    ),
+]
+
+
 @app.command()
 @user_errors
 def predict(
@@ -558,6 +569,7 @@ def predict(
     cifar_normalised: Opt[
         bool, typer.Option(help="a .npy batch of floats already CIFAR-normalised")
     ] = False,
+    trust_model_code: TrustModelCode = False,
     tracking_uri: Opt[
         str | None,
         typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
@@ -572,7 +584,7 @@ def predict(
         check_bound(BmaSamples, "--bma-samples", bma_samples)
     check_bound(Seed, "--seed", seed)
     names, batch = read_images(images)  # bad files fail before the model loads
-    model = load_pyfunc(model_uri, tracking_uri)
+    model = load_pyfunc(model_uri, tracking_uri, trust_model_code)
     params = {"seed": seed, "cifar_normalised": cifar_normalised}
     if bma_samples is not None:
         params["bma_samples"] = bma_samples
@@ -590,6 +602,28 @@ def predict(
             row["file"], f"{row['label']} ({row['class']})", *(f"{row[c]:.4f}" for c in numbers)
         )
     Console(width=200).print(table)
+
+
+@app.command()
+@user_errors
+def serve(
+    model_uri: Opt[
+        str,
+        typer.Argument(help="an MLflow model: runs:/RUN_ID/model, models:/NAME/VERSION, a path"),
+    ],
+    host: Opt[str, typer.Option(help="the address to listen on")] = "127.0.0.1",
+    port: Opt[int, typer.Option(min=1, max=65535, help="the port to listen on")] = 5001,
+    trust_model_code: TrustModelCode = False,
+    tracking_uri: Opt[
+        str | None,
+        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
+    ] = None,
+) -> None:
+    """Serve a logged model over REST (MLflow's scoring server in this environment: POST
+    images to /invocations) until Ctrl-C or SIGTERM, once its code is checked."""
+    from dpivon.tracking.served_model import serve_model
+
+    raise typer.Exit(serve_model(model_uri, host, port, tracking_uri, trust_model_code))
 
 
 def shift_set_named(name: str) -> ShiftSet:
@@ -662,6 +696,7 @@ def evaluate(
     ] = None,
     seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
     json_path: Opt[Path | None, typer.Option("--json", help="write every number here")] = None,
+    trust_model_code: TrustModelCode = False,
     tracking_uri: Opt[
         str | None,
         typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
@@ -688,7 +723,7 @@ def evaluate(
     check_bound(Seed, "--seed", seed)
     if json_path is not None:
         check_writable(json_path, "--json")
-    config, model, posterior = load_scored_model(model_uri, tracking_uri)
+    config, model, posterior = load_scored_model(model_uri, tracking_uri, trust_model_code)
     test = load_test_images(
         config.data.dataset,
         data_path=data_path,

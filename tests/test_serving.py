@@ -1,4 +1,4 @@
-"""The logged model in use: `dpivon predict`, `mlflow models serve` on loopback, and the
+"""The logged model in use: `dpivon predict`, `dpivon serve` on loopback, and the
 model's own environment rebuilt in a fresh virtual environment (no dpivon installed)."""
 
 from __future__ import annotations
@@ -113,13 +113,11 @@ def test_predict_and_mlflow_serve_agree_on_raw_jpegs(logged, jpegs, spawn):
 
     port = free_port()
     server, log = spawn(
-        [BIN / "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local",
-         "-h", "127.0.0.1", "-p", port],
-        "serve",  # it runs uvicorn from PATH
-        env={"MLFLOW_TRACKING_URI": tracking, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
-    )  # fmt: skip
+        [BIN / "dpivon", "serve", model_uri, "--port", port, "--tracking-uri", tracking],
+        "serve",  # its code checked, the model is served by `mlflow models serve`
+    )
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: answers(f"{url}/ping"), 180, f"mlflow models serve (log: {log})", server)
+    wait_until(lambda: answers(f"{url}/ping"), 180, f"dpivon serve (log: {log})", server)
     pixels = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in jpegs])
     assert pixels.dtype == np.uint8 and pixels.shape == (IMAGES, 32, 32, 3)
     status, answer = post(f"{url}/invocations", {"inputs": pixels.tolist()})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -25,12 +27,17 @@ from dpivon.data.images import model_input as model_input_tensor
 from dpivon.errors import DpivonError, first_line
 from dpivon.evaluation import Posterior
 from dpivon.evaluation.prediction import predict_with_uncertainty, predictions_frame
+from dpivon.orchestration.interrupts import Interrupted, signals_interrupt
 from dpivon.privacy.noise import noise_tags
-from dpivon.tracking.client import Tracker, fluent_tracking_uri, resolve_tracking_uri
+from dpivon.tracking.client import Tracker, fluent_tracking_uri
 from dpivon.tracking.model_file import load_model_file, save_model_file
-
-PACKAGE = Path(__file__).parents[1]  # dpivon itself: logged as the model's code
-ENTRY_POINT = PACKAGE / "mlflow_model.py"
+from dpivon.tracking.model_trust import (
+    BYTECODE,
+    CODE_FOLDER,
+    ENTRY_POINT,
+    PACKAGE,
+    verified_model_folder,
+)
 
 
 class PosteriorClassifier(mlflow.pyfunc.PythonModel):
@@ -136,8 +143,8 @@ def log_model(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint.pt"
         save_model_file(checkpoint, config, model, posterior)
-        code = Path(tmp) / "code" / PACKAGE.name  # the package without its bytecode caches
-        shutil.copytree(PACKAGE, code, ignore=shutil.ignore_patterns("__pycache__"))
+        code = Path(tmp) / CODE_FOLDER / PACKAGE.name  # the package without its bytecode caches
+        shutil.copytree(PACKAGE, code, ignore=shutil.ignore_patterns(BYTECODE))
         with fluent_tracking_uri(tracker.tracking_uri), mlflow.start_run(run_id=run_id):
             mlflow.pyfunc.log_model(
                 name="model",
@@ -156,23 +163,50 @@ def log_model(
     tracker.set_run_status(run_id, status)
 
 
-def load_pyfunc(model_uri: str, tracking_uri: str | None = None) -> mlflow.pyfunc.PyFuncModel:
-    """A logged model (``runs:/RUN_ID/model``, ``models:/NAME/VERSION``, a path), or one line
-    saying why it cannot be loaded."""
-    try:
-        with fluent_tracking_uri(resolve_tracking_uri(tracking_uri)):
-            return mlflow.pyfunc.load_model(model_uri)
-    except (MlflowException, OSError) as err:
-        raise DpivonError(f"cannot load the model {model_uri}: {first_line(err)}") from None
+def load_pyfunc(
+    model_uri: str, tracking_uri: str | None = None, trust_code: bool = False
+) -> mlflow.pyfunc.PyFuncModel:
+    """A logged model (``runs:/RUN_ID/model``, ``models:/NAME/VERSION``, a path) whose code
+    is the installed dpivon's (`dpivon.tracking.model_trust`; any code with ``trust_code``),
+    or one line saying why it cannot be loaded."""
+    with verified_model_folder(model_uri, tracking_uri, trust_code) as folder:
+        try:
+            return mlflow.pyfunc.load_model(str(folder))
+        except (MlflowException, OSError) as err:
+            raise DpivonError(f"cannot load the model {model_uri}: {first_line(err)}") from None
+
+
+def serve_model(
+    model_uri: str,
+    host: str,
+    port: int,
+    tracking_uri: str | None = None,
+    trust_code: bool = False,
+) -> int:
+    """Serve a logged model over REST (``mlflow models serve`` in this environment) once its
+    code is checked as :func:`load_pyfunc` checks it, until SIGINT or SIGTERM stops it; the
+    server's exit code (128 + the signal's number when stopped)."""
+    with verified_model_folder(model_uri, tracking_uri, trust_code) as folder:
+        command = [
+            sys.executable, "-m", "mlflow", "models", "serve", "-m", str(folder),
+            "--env-manager", "local", "-h", host, "-p", str(port),
+        ]  # fmt: skip
+        # MLflow starts uvicorn from PATH: this environment's, wherever dpivon was run from
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        try:
+            with signals_interrupt():  # SIGTERM too ends the server and removes the copy
+                return subprocess.run(command, env={**os.environ, "PATH": path}).returncode
+        except Interrupted as stop:
+            return stop.exit_code
 
 
 def load_scored_model(
-    model_uri: str, tracking_uri: str | None = None
+    model_uri: str, tracking_uri: str | None = None, trust_code: bool = False
 ) -> tuple[TrainConfig, torch.nn.Module, Posterior | None]:
     """The config, mean model and posterior of a logged model (``runs:/RUN_ID/model``,
-    ``models:/NAME/VERSION``, a model folder) or of a model file as
-    `dpivon.tracking.model_file` saves it (a sweep trial's ``model.pt``, committed weights),
-    or one line saying why it cannot be loaded."""
+    ``models:/NAME/VERSION``, a model folder; its code checked as :func:`load_pyfunc` checks
+    it) or of a model file as `dpivon.tracking.model_file` saves it (a sweep trial's
+    ``model.pt``, committed weights), or one line saying why it cannot be loaded."""
     path = Path(model_uri).expanduser()
     if os.path.lexists(path) and not path.is_dir():
         return load_model_file(path)  # a file that is not one is refused in one line
@@ -181,5 +215,5 @@ def load_scored_model(
             f"the model {model_uri} does not exist: give runs:/RUN_ID/model, "
             "models:/NAME/VERSION, a model folder or a model file (.pt)"
         )
-    classifier = load_pyfunc(model_uri, tracking_uri).unwrap_python_model()
+    classifier = load_pyfunc(model_uri, tracking_uri, trust_code).unwrap_python_model()
     return classifier.config, classifier.model, classifier.posterior
