@@ -1,39 +1,40 @@
-"""Gradient canaries as training examples: drawn on distinct coordinates, enrolled in the
-Poisson sampler, clipped by the engine with the batch and scored on the privatised
-gradient (see the package docstring)."""
+"""Canaries as training examples through the model's last layer: enrolled in the Poisson
+sampler, their per-example gradients computed and clipped by the engine with the batch's,
+scored on the privatised gradient (see the package docstring)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpivon.errors import DpivonError
-from dpivon.privacy.engine import PER_SAMPLE_ENGINES, PrivateTraining
+from dpivon.privacy.bookkeeping import BookKeepingLoss
+from dpivon.privacy.engine import PER_SAMPLE_ENGINES
 from dpivon.privacy.sampling import PoissonBatches
+from dpivon.runs import TrainingSetup
 
 _CANARY_STREAM = 0xCA7A_2023  # mixed into the seed: canary randomness is a stream of its own
-# A canary's gradient norm in clip norms: clipped it adds C to the sum, unclipped 10 C.
+# A canary's per-example gradient norm in clip norms: far outside C, so that an engine that
+# clips too little (or reads the norm too small) lets it through at several times C.
 CANARY_NORM_IN_CLIPS = 10.0
+# Norm of a canary's input to the last layer: its weight gradient then holds all but
+# 1 / (1 + HEAD_INPUT_NORM^2) of the squared norm, the rest is on the bias.
+HEAD_INPUT_NORM = 10.0
 
 
-def check_canary_count(count: int, parameters: int) -> None:
-    """Each canary takes a coordinate of its own: at most one per model parameter."""
-    if not 1 <= count <= parameters:
-        raise DpivonError(
-            f"canaries must be in [1, {parameters}] (one coordinate each of the model's "
-            f"{parameters} parameters), got {count}"
-        )
+def check_canary_count(count: int) -> None:
+    if count < 1:
+        raise DpivonError(f"canaries must be at least 1, got {count}")
 
 
 def check_auditable_engine(engine: str) -> None:
-    """Canaries enter the clipping of bk and the per-sample engines; ghost computes norms
-    inside Opacus's two-pass loss, where no canary can be added (auto never picks it)."""
+    """Canaries take the data's path through bk and the per-sample engines; ghost computes
+    per-example losses inside Opacus's two-pass loss, which the canaries' loss cannot
+    enter (auto never picks it)."""
     if engine not in ("auto", "bk", *PER_SAMPLE_ENGINES):
         raise DpivonError(
             f"the audit cannot put canaries into engine {engine}'s clipping (it computes "
@@ -42,41 +43,52 @@ def check_auditable_engine(engine: str) -> None:
         )
 
 
+def last_linear(model: nn.Module) -> nn.Linear:
+    """The model's last nn.Linear: the layer whose input the canaries replace."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise DpivonError(f"{type(model).__name__} has no linear layer for the canaries")
+    return linears[-1]
+
+
 @dataclass(frozen=True)
 class Canaries:
-    """Dirac gradient canaries c_j = norm_j * e_{k_j} on distinct coordinates k_j of the
-    model's trainable parameters (flat indices into them, concatenated in order), each in
-    the run by its fair coin ``included[j]``.
+    """Canary j: an example whose input to the model's last linear layer is
+    HEAD_INPUT_NORM * directions[j] and whose loss is linear in logit ``outputs[j]``,
+    scaled so that its per-example gradient has L2 norm ``norms[j]``; in the run by its
+    fair coin ``included[j]``.
 
-    Why Dirac: distinct coordinates make the canaries orthogonal, so the coordinate g_dp[k_j]
-    a canary is scored on carries no cross-talk from the other canaries (random directions
-    would each add about C / sqrt(P) of every other sampled canary) and only the isotropic
-    DP noise and the data's own gradient on k_j compete with the signal. Clipping keeps the
-    direction: a clipped canary adds exactly C e_{k_j}, an unclipped one norm_j e_{k_j}.
+    Its weight gradient is proportional to e_{o_j} v_j^T: random unit directions, so two
+    canaries meet only on a shared output row, with inner product about 1 / sqrt(d) there;
+    clipping keeps the direction, so a clipped canary adds C (times its weight share) along
+    it, an unclipped one ``norms[j]``.
     """
 
-    coordinates: Tensor  # (m,) long
+    outputs: Tensor  # (m,) long
+    directions: Tensor  # (m, d) float64, unit rows
     norms: Tensor  # (m,) float64
     included: Tensor  # (m,) bool
 
     @classmethod
-    def draw(cls, parameters: int, count: int, norm: float, seed: int) -> Canaries:
-        """``count`` canaries of L2 norm ``norm`` on random distinct coordinates of
-        ``parameters`` ones, each included by a fair coin; coins and coordinates come from
-        a generator derived from ``seed`` and used for nothing else."""
-        check_canary_count(count, parameters)
+    def draw(cls, head: nn.Linear, count: int, norm: float, seed: int) -> Canaries:
+        """``count`` canaries of gradient norm ``norm`` on ``head``; outputs, directions and
+        coins come from a generator derived from ``seed`` and used for nothing else."""
+        check_canary_count(count)
         # A stream of its own: the coins must be independent of the run's randomness.
         state = np.random.SeedSequence([seed, _CANARY_STREAM]).generate_state(1, np.uint64)
         generator = torch.Generator().manual_seed(int(state[0]) & (2**63 - 1))
-        coordinates = torch.randperm(parameters, generator=generator)[:count]
+        outputs = torch.randint(head.out_features, (count,), generator=generator)
+        directions = torch.randn(count, head.in_features, generator=generator, dtype=torch.float64)
+        directions /= directions.norm(dim=1, keepdim=True)
         included = torch.rand(count, generator=generator) < 0.5
-        return cls(coordinates, torch.full((count,), float(norm), dtype=torch.float64), included)
+        norms = torch.full((count,), float(norm), dtype=torch.float64)
+        return cls(outputs, directions, norms, included)
 
 
 def subsampled_gaussian_log_ratio(x: Tensor, sample_rate: float, noise_multiplier: float) -> Tensor:
     """log [(1 - q) N(x; 0, sigma^2) + q N(x; 1, sigma^2)] / N(x; 0, sigma^2): how much more
-    likely one step's coordinate x (in clip norms, x = b g_dp[k] / C) is if a canary of
-    clipped norm 1 is in the population, Poisson-sampled at rate q, with noise sigma.
+    likely one step's projection x (in clipped canaries) is if a canary is in the
+    population, Poisson-sampled at rate q, with noise sigma.
 
     The Neyman-Pearson statistic of one step, summed over steps: a plain sum of x would
     weigh the steps a canary missed as much as the one it was drawn in.
@@ -87,55 +99,64 @@ def subsampled_gaussian_log_ratio(x: Tensor, sample_rate: float, noise_multiplie
     )
 
 
-def dirac_sum(like: Tensor, rows: Tensor, local: Tensor, norms: Tensor, clip: Tensor) -> Tensor:
-    """sum_i clip[rows_i] norms_i e_{local_i}, shaped like ``like``: the clipped sum of
-    Dirac per-example gradients (rows: their places among the clip factors)."""
-    total = torch.zeros_like(like).view(-1)
-    total.index_add_(0, local, (clip[rows].to(norms) * norms).to(total))
-    return total.view_as(like)
+class CanaryLoss(nn.Module):
+    """The data's mean-reduced loss with the canary rows (labels -1 - j) in the mean:
+    canary j adds scale_j * logit[o_j], whose gradient on the logits is scale_j e_{o_j}."""
+
+    reduction = "mean"
+
+    def __init__(self, criterion: nn.Module, outputs: Tensor, scales: Tensor) -> None:
+        super().__init__()
+        self.criterion, self.outputs, self.scales = criterion, outputs, scales
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        is_canary = target < 0
+        data = ~is_canary
+        total = logits.new_zeros(())
+        if data.any():
+            total = self.criterion(logits[data], target[data]) * data.sum()
+        ids = (-1 - target[is_canary]).cpu()
+        picked = logits[is_canary].gather(1, self.outputs[ids].to(logits.device)[:, None])
+        total = total + (picked.squeeze(1) * self.scales[ids].to(logits)).sum()
+        return total / len(logits)
 
 
 class CanaryExamples:
-    """One run's included canaries as training examples (module docstring): enrolled in
-    the Poisson sampler's population, their gradients clipped by the engine with the
-    batch's, scored on the privatised gradient.
+    """One run's included canaries as training examples (module docstring).
 
-    Built on a run's private training, it enrolls in its sampler and hooks its engine; then
-    for every batch the sampler yields, `take` the canary rows out before the training step
-    (the data rows go on as usual).
+    Built on a run's training setup, it enrolls them in the Poisson sampler, replaces
+    their input to the last layer (a forward pre-hook), puts their loss into the
+    criterion, and records every canary's projection of each privatised gradient. `take`
+    is the run's batch filter: it notes which rows of a sampled batch are canaries.
     """
 
-    def __init__(self, canaries: Canaries, private: PrivateTraining) -> None:
+    def __init__(self, canaries: Canaries, setup: TrainingSetup) -> None:
+        private = setup.private
+        if private is None:
+            raise ValueError("canaries need a private run")
+        check_auditable_engine(private.engine)
         self.canaries = canaries
-        self.params = [p for p in private.optimizer.params if p.requires_grad]
-        total = sum(p.numel() for p in self.params)
-        coordinates = canaries.coordinates
-        if coordinates.unique().numel() != coordinates.numel() or not (
-            int(coordinates.min()) >= 0 and int(coordinates.max()) < total
-        ):
-            raise ValueError(f"canary coordinates must be distinct and in [0, {total})")
-        device = self.params[0].device
-        ends = torch.tensor([p.numel() for p in self.params]).cumsum(0)
-        self._owner = torch.bucketize(coordinates, ends, right=True)  # parameter of canary j
-        starts = ends - torch.tensor([p.numel() for p in self.params])
-        self._local = (coordinates - starts[self._owner]).to(device)  # index inside it
-        # per parameter holding canaries: (its index, the ids of its canaries)
-        self._groups = [
-            (index, ids)
-            for index in range(len(self.params))
-            if len(ids := (self._owner == index).nonzero().flatten())
-        ]
-        self._norms = canaries.norms.to(device)
-        m = len(coordinates)
         self.plan = private.plan
-        self._clips_per_unit = self.plan.expected_batch_size / self.plan.max_grad_norm
+        self.head = last_linear(setup.model)
+        device = self.head.weight.device
+        bias = self.head.bias is not None
+        # per-example norm = scale * sqrt(s^2 + bias): s^2 on the weight, 1 on the bias
+        spread = math.sqrt(HEAD_INPUT_NORM**2 + bias)
+        self._scales = canaries.norms / spread
+        self._inputs = (HEAD_INPUT_NORM * canaries.directions).to(device)
+        self._outputs = canaries.outputs.to(device)
+        self._directions = canaries.directions.to(device)
+        # x in clipped canaries: a clipped canary adds C s / spread along its direction
+        self._unit = self.plan.max_grad_norm * HEAD_INPUT_NORM / spread
         self.transcript: list[Tensor] = []  # per step, x of every canary (`_score_if`)
-        self.times_sampled = torch.zeros(m, dtype=torch.long)
-        self._drawn = torch.zeros(0, dtype=torch.long)  # the canaries of the current batch
-        self._stage = self._wire(private)
+        self.times_sampled = torch.zeros(len(canaries.norms), dtype=torch.long)
+        self._rows = torch.zeros(0, dtype=torch.long)  # canary rows of the current batch
+        self._drawn = torch.zeros(0, dtype=torch.long)  # and their canary ids
+        self.head.register_forward_pre_hook(self._replace_inputs)
+        self._install_loss(setup)
+        self._wrap_step(private.optimizer)
         self._enroll(private.loader)
 
-    # sampling
     def _enroll(self, loader: PoissonBatches) -> None:
         """Each included canary j becomes row N + i of the sampler's population: a blank
         input labelled -1 - j (data labels are >= 0)."""
@@ -144,82 +165,50 @@ class CanaryExamples:
         loader.features = torch.cat([loader.features, blanks])
         loader.labels = torch.cat([loader.labels, (-1 - ids).to(loader.labels)])
 
+    def _install_loss(self, setup: TrainingSetup) -> None:
+        """bk clips in its loss's backward: the canaries' loss goes inside it."""
+        scales = self._scales
+        if isinstance(setup.criterion, BookKeepingLoss):
+            inner = setup.criterion.criterion
+            setup.criterion.criterion = CanaryLoss(inner, self.canaries.outputs, scales)
+        else:
+            setup.criterion = CanaryLoss(setup.criterion, self.canaries.outputs, scales)
+
     def take(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The data rows of a sampled batch; its canary rows are staged for the engine."""
+        """The batch as sampled; its canary rows are noted for the forward pre-hook."""
         is_canary = y < 0
+        self._rows = is_canary.nonzero().flatten()
         self._drawn = (-1 - y[is_canary]).cpu()
         self.times_sampled[self._drawn] += 1
-        self._stage()
-        return x[~is_canary], y[~is_canary]
+        return x, y
 
-    # clipping: the drawn canaries' per-example gradients, as each engine takes them
-    def _wire(self, private: PrivateTraining) -> Callable[[], None]:
-        """Hook the engine; returns what `take` calls to stage the drawn canaries."""
-        optimizer = private.optimizer
+    def _replace_inputs(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[Tensor]:
+        """The canary rows' input to the last layer, detached: no layer before it gets a
+        gradient from a canary, and the engine computes its norm where it computes the
+        data's."""
+        (a,) = inputs
+        if not (module.training and len(self._rows)):
+            return (a,)
+        rows = self._rows.to(a.device)
+        crafted = self._inputs[self._drawn.to(a.device)].to(a.dtype)
+        return (a.index_put((rows,), crafted),)
+
+    def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
         pre_step = optimizer.pre_step
-        if private.engine == "bk":
-            clipper = optimizer.clipper
 
-            def stage() -> None:
-                clipper.add_examples(self._drawn_squared_norms(), self._drawn_sums())
+        def step(*args, **kwargs) -> bool:
+            return self._score_if(pre_step(*args, **kwargs))
 
-            def step(*args, **kwargs) -> bool:
-                return self._score_if(pre_step(*args, **kwargs))
-
-        elif private.engine in PER_SAMPLE_ENGINES:
-
-            def stage() -> None:
-                pass
-
-            def step(*args, **kwargs) -> bool:
-                self._append_grad_samples()
-                return self._score_if(pre_step(*args, **kwargs))
-
-        else:
-            check_auditable_engine(private.engine)
         optimizer.pre_step = step
-        return stage
 
-    def _drawn_of(self, index: int) -> tuple[Tensor, Tensor]:
-        """(rows among the drawn, canary ids) of the drawn canaries on parameter ``index``."""
-        rows = (self._owner[self._drawn] == index).nonzero().flatten()
-        return rows, self._drawn[rows]
-
-    def _drawn_squared_norms(self) -> Tensor:
-        dtype = self.params[0].dtype
-        return self._norms[self._drawn.to(self._norms.device)].square().to(dtype)
-
-    def _drawn_sums(self) -> dict[torch.nn.Parameter, Callable[[Tensor], Tensor]]:
-        """Per parameter: clip factors of the drawn canaries -> their clipped sum there."""
-        sums = {}
-        for index, p in enumerate(self.params):
-            rows, ids = self._drawn_of(index)
-            if len(ids):
-                sums[p] = partial(
-                    dirac_sum, p, rows.to(p.device), self._local[ids], self._norms[ids]
-                )
-        return sums
-
-    @torch.no_grad()
-    def _append_grad_samples(self) -> None:
-        """The drawn canaries as rows after the batch's in every ``p.grad_sample``."""
-        for index, p in enumerate(self.params):
-            rows, ids = self._drawn_of(index)
-            canary_rows = p.grad_sample.new_zeros((len(self._drawn), p.numel()))
-            canary_rows[rows.to(p.device), self._local[ids]] = self._norms[ids].to(p.dtype)
-            p.grad_sample = torch.cat([p.grad_sample, canary_rows.view(-1, *p.shape)])
-
-    # scoring
     @torch.no_grad()
     def _score_if(self, stepped: bool) -> bool:
-        """After pre_step p.grad holds g_dp: record x_j = b g_dp[k_j] / C, the step's
-        coordinate of canary j in clip norms (C / b: what a clipped canary adds)."""
+        """After pre_step the weight's p.grad holds g_dp: record x_j = b <g_dp, e_o v_j> /
+        unit, canary j's projection in clipped canaries (unit / b: what one adds)."""
         if stepped:
-            step = torch.empty(len(self.canaries.norms), dtype=torch.float64)
-            for index, ids in self._groups:
-                values = self.params[index].grad.view(-1)[self._local[ids]]
-                step[ids] = values.to(torch.float64).cpu() * self._clips_per_unit
-            self.transcript.append(step)
+            rows = self.head.weight.grad.to(torch.float64)[self._outputs]
+            projection = (rows * self._directions).sum(1).cpu()
+            self.transcript.append(projection * self.plan.expected_batch_size / self._unit)
         return stepped
 
     @property
@@ -237,8 +226,8 @@ class CanaryExamples:
     def scores(self) -> Tensor:
         """score_j = sum_t `subsampled_gaussian_log_ratio`(x_tj; q, sigma_hat): the
         accounted q, and the noise the transcript shows (a function of the released
-        gradients alone, so the bound stays valid; a run with less noise than accounted
-        is scored with the noise it had)."""
+        gradients alone; a run with less noise than accounted is scored with the noise
+        it had)."""
         x = torch.stack(self.transcript)
         ratios = subsampled_gaussian_log_ratio(x, self.plan.sample_rate, self.noise_estimate())
         return ratios.sum(0)

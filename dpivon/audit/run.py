@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dpivon.audit.bound import audit_scores
+from dpivon.audit.bound import audit_scores, clt_mu, gaussian_mu, gdp_epsilon
 from dpivon.audit.canaries import (
     CANARY_NORM_IN_CLIPS,
     Canaries,
     CanaryExamples,
     check_auditable_engine,
     check_canary_count,
+    last_linear,
 )
 from dpivon.config import PRIVATE_OPTIMIZERS, TrainConfig, parse_config
 from dpivon.data import DataSplits
@@ -37,7 +38,10 @@ class RunAudit:
     """One scored training run (the real one or the noise-off control)."""
 
     noise_multiplier: float
-    epsilon_lower_bound: float
+    epsilon_lower_bound: float  # Steinke, Nasr & Jagielski's bound
+    mu: float  # `gaussian_mu`: the canaries' mean shift in noise stds
+    mu_lower_bound: float
+    epsilon_certified: float  # the Gaussian analysis: epsilon at delta of mu_lower_bound
     guesses: int
     correct_guesses: int
     k_plus: int
@@ -60,10 +64,16 @@ class AuditResult:
     sample_rate: float
     steps: int
     noise_multiplier: float
+    claimed_mu: float  # `clt_mu` of the accounted mechanism
     real: RunAudit
     control: RunAudit
     epsilon_at_measured_noise: float  # the accountant's, at the real run's measured noise
     wall_time_s: float
+
+    @property
+    def claimed_gdp_epsilon(self) -> float:
+        """The claim in the Gaussian analysis' units: epsilon at delta of `claimed_mu`."""
+        return gdp_epsilon(self.claimed_mu, self.delta)
 
     @property
     def noise_ratio(self) -> float:
@@ -77,9 +87,17 @@ class AuditResult:
         return NOISE_TOLERANCE - 4 * 1.166 / math.sqrt(self.steps * self.canaries)
 
     def violations(self) -> list[str]:
-        """What this audit refutes, one line each: an epsilon lower bound above the claim,
-        or less noise in the released gradients than the accountant was told."""
+        """What this audit refutes, one line each: a Gaussian-DP mu above the claimed one,
+        an epsilon lower bound above the claim, or less noise in the released gradients
+        than the accountant was told."""
         found = []
+        if self.real.mu_lower_bound > self.claimed_mu:
+            found.append(
+                f"the canaries show Gaussian-DP mu >= {self.real.mu_lower_bound:.3g} (epsilon "
+                f"{self.real.epsilon_certified:.3g}) at {self.confidence:.0%} confidence, above"
+                f" the claimed mu {self.claimed_mu:.3g} (epsilon {self.claimed_gdp_epsilon:.3g}"
+                f"; accountant {self.claimed_epsilon:g})"
+            )
         if self.real.epsilon_lower_bound > self.claimed_epsilon:
             found.append(
                 f"epsilon >= {self.real.epsilon_lower_bound:.3g} at {self.confidence:.0%} "
@@ -99,6 +117,12 @@ class AuditResult:
             k: v for k, v in asdict(self).items() if k not in ("real", "control")
         }
         out.update(
+            claimed_gdp_epsilon=self.claimed_gdp_epsilon,
+            epsilon_certified=self.real.epsilon_certified,
+            mu=self.real.mu,
+            mu_lower_bound=self.real.mu_lower_bound,
+            control_mu_lower_bound=self.control.mu_lower_bound,
+            control_epsilon_certified=self.control.epsilon_certified,
             epsilon_lower_bound=self.real.epsilon_lower_bound,
             control_epsilon_lower_bound=self.control.epsilon_lower_bound,
             guesses=self.real.guesses,
@@ -146,8 +170,8 @@ def check_audit(config: TrainConfig, canaries: int, confidence: float) -> None:
     if not math.isfinite(config.privacy.epsilon):
         raise DpivonError("epsilon must be finite: a run without noise claims nothing")
     check_auditable_engine(config.privacy.engine)
-    parameters = sum(p.numel() for p in build_model(config.model.name).parameters())
-    check_canary_count(canaries, parameters)
+    last_linear(build_model(config.model.name))
+    check_canary_count(canaries)
     if not 0 < confidence < 1:
         raise DpivonError(f"confidence must be in (0, 1), got {confidence}")
 
@@ -186,6 +210,7 @@ def run_audit(
         sample_rate=plan.sample_rate,
         steps=real.steps,
         noise_multiplier=plan.noise_multiplier,
+        claimed_mu=clt_mu(plan.sample_rate, plan.noise_multiplier, real.steps),
         real=real,
         control=control,
         epsilon_at_measured_noise=epsilon_spent(
@@ -218,10 +243,9 @@ def scored_run(
         plan = private.plan
         if not noise:
             private.optimizer.noise_multiplier = 0.0
-        parameters = sum(p.numel() for p in private.optimizer.params if p.requires_grad)
         norm = CANARY_NORM_IN_CLIPS * plan.max_grad_norm
-        drawn = Canaries.draw(parameters, canaries, norm, config.runtime.seed)
-        examples = CanaryExamples(drawn, private)
+        drawn = Canaries.draw(last_linear(run.setup.model), canaries, norm, config.runtime.seed)
+        examples = CanaryExamples(drawn, run.setup)
         run.task = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
         run.batch_filter = examples.take  # the canaries go through the engine with the batch
         run.run_epochs(evaluate=False)
@@ -233,10 +257,14 @@ def scored_run(
             )
         included = drawn.included.numpy()
     best = audit_scores(scores, included, config.privacy.delta, confidence)
+    gaussian = gaussian_mu(scores, included, confidence)
     n_included = int(included.sum())
     result = RunAudit(
         noise_multiplier=float(private.optimizer.noise_multiplier),
         epsilon_lower_bound=best.epsilon_lower_bound,
+        mu=gaussian.mu,
+        mu_lower_bound=gaussian.mu_lower_bound,
+        epsilon_certified=gdp_epsilon(gaussian.mu_lower_bound, config.privacy.delta),
         guesses=best.guesses,
         correct_guesses=best.correct,
         k_plus=best.k_plus,

@@ -391,7 +391,6 @@ class BookKeeping:
         self._roots: dict[nn.Module, Tensor] = {}
         self._squared_norms: list[Tensor] = []
         self._sums: dict[nn.Parameter, WeightedSum] = {}
-        self._extra_examples: tuple[Tensor, dict[nn.Parameter, WeightedSum]] | None = None
         self._clipped_sum_ready = False
         self._handles = [model.register_forward_pre_hook(self._start_forward)]
         self._handles += [m.register_forward_hook(self._keep_input) for m in self._names]
@@ -401,12 +400,6 @@ class BookKeeping:
         for handle in self._handles:
             handle.remove()
         self._clear()
-
-    def add_examples(self, squared_norms: Tensor, sums: dict[nn.Parameter, WeightedSum]) -> None:
-        """Per-example gradients that come from no forward pass (an audit's canaries),
-        clipped by the next backward as examples B, B + 1, ... of its batch: ``sums[p]``
-        maps their clip factors to their weighted sum in parameter ``p``."""
-        self._extra_examples = (squared_norms, sums)
 
     # step 1
     def _start_forward(self, model: nn.Module, inputs: tuple) -> None:
@@ -466,18 +459,13 @@ class BookKeeping:
             squared = loss.new_zeros(batch_size)
             for layer_squared in self._squared_norms:
                 squared += layer_squared
-            extra_squared, extra_sums = self._extra_examples or (squared[:0], {})
-            clip = clip_factors(torch.cat([squared, extra_squared]), self.max_grad_norm)
-            clip, extra_clip = clip[:batch_size], clip[batch_size:]
+            clip = clip_factors(squared, self.max_grad_norm)
             with torch.no_grad():
                 for p in self._params:
                     weighted_sum = self._sums.get(p)
                     p.grad = torch.zeros_like(p) if weighted_sum is None else weighted_sum(clip)
-                    if p in extra_sums:
-                        p.grad += extra_sums[p](extra_clip)
         finally:
             self._clear()
-            self._extra_examples = None
         self._clipped_sum_ready = True
 
     def _check_roots_reached(
