@@ -39,9 +39,9 @@ from dpivon.saved_files import FORMAT_KEY
 from dpivon.search.callbacks import TRACKING_URI_ENV
 from dpivon.search.groups import GROUP_KEY, GroupScheduler, GroupSearcher
 from dpivon.search.pipeline import load_pipeline
-from dpivon.search.results import TrialStatus
 from dpivon.search.sweep import TUNE_EXPERIMENT, TUNE_SETTINGS, SweepState, run_sweep
 from dpivon.search.trial import RESUME_FILE
+from dpivon.tracking.layout import RunOutcome
 from dpivon.tracking.model_file import load_model_file
 
 runner = CliRunner()
@@ -93,7 +93,7 @@ def test_sweep_records_parent_children_and_pareto(finished_sweep):
         assert metrics["epsilon_spent"] <= 8.0
         history = client.get_metric_history(child.info.run_id, "val_accuracy")
         assert [m.step for m in history] == list(range(1, len(history) + 1))
-        if child.data.tags["dpivon.trial_status"] == TrialStatus.COMPLETED:
+        if child.data.tags["dpivon.trial_status"] == RunOutcome.COMPLETED:
             assert metrics["epsilon_spent"] >= 8.0 - 0.05
             assert len(history) == pipeline.epochs
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -148,8 +148,8 @@ def test_front_is_non_dominated_and_only_front_sees_the_test_set(finished_sweep)
     trials = pd.read_csv(directory / "trials.csv")
     front = pd.read_csv(directory / "pareto_front.csv")
     assert not front.empty
-    assert (front["status"] == TrialStatus.COMPLETED).all()
-    completed = trials[trials.status == TrialStatus.COMPLETED]
+    assert (front["status"] == RunOutcome.COMPLETED).all()
+    completed = trials[trials.status == RunOutcome.COMPLETED]
     for (_, _), group in completed.groupby(["optimizer", "epsilon"]):
         on_front = brute_force_front(group[["val_accuracy", "val_ece"]].to_numpy(), ["max", "min"])
         assert set(group[on_front].trial_id) == set(front.trial_id) & set(group.trial_id)
@@ -376,8 +376,8 @@ def test_failing_trials_are_recorded_and_the_sweep_finishes(tmp_path, local_ray)
     pipeline = load_pipeline(path)
     with injected_faults(local_ray, {"dp-sgd": 1}):
         trials = run_sweep(pipeline)
-    assert (trials[trials.optimizer == "dp-sgd"].status == TrialStatus.FAILED).all()
-    assert (trials[trials.optimizer == "dp-ivon-gradsq"].status != TrialStatus.FAILED).all()
+    assert (trials[trials.optimizer == "dp-sgd"].status == RunOutcome.FAILED).all()
+    assert (trials[trials.optimizer == "dp-ivon-gradsq"].status != RunOutcome.FAILED).all()
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["trials_failed"] == 2
@@ -407,13 +407,13 @@ def test_a_trial_killed_before_it_starts_is_recorded_failed_and_the_sweep_finish
     with injected_faults(local_ray, {"dp-sgd": KILLED}):
         trials = run_sweep(pipeline)
     by_optimizer = dict(zip(trials.optimizer, trials.status, strict=True))
-    assert by_optimizer == {"dp-sgd": TrialStatus.FAILED, "dp-adam": TrialStatus.COMPLETED}
+    assert by_optimizer == {"dp-sgd": RunOutcome.FAILED, "dp-adam": RunOutcome.COMPLETED}
     _, (parent,), children = runs_of(tmp_path, pipeline.experiment)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["trials_failed"] == 1
     (killed,) = [c for c in children if c.data.tags["dpivon.optimizer"] == "dp-sgd"]
     assert killed.info.status == "FAILED"
-    assert killed.data.tags["dpivon.trial_status"] == TrialStatus.FAILED
+    assert killed.data.tags["dpivon.trial_status"] == RunOutcome.FAILED
     # it never reported: no metrics, and no params (its worker never built its config)
     assert not killed.data.metrics and not killed.data.params
 
@@ -434,7 +434,7 @@ def test_a_crashed_trial_retries_from_its_epoch_checkpoint(tmp_path, local_ray):
     with injected_faults(local_ray, {"dp-sgd": 1}):  # the first attempt fails after epoch 1
         trials = run_sweep(pipeline)
     (status,) = trials.status
-    assert status == TrialStatus.COMPLETED
+    assert status == RunOutcome.COMPLETED
     _, _, (child,) = runs_of(tmp_path, pipeline.experiment)
     assert child.info.status == "FINISHED"
     # Resumed from the epoch-1 checkpoint: the accountant kept the first epoch's steps.
@@ -463,7 +463,7 @@ def test_a_resumed_trial_finds_no_noise_key_on_disk_and_draws_a_fresh_one(tmp_pa
     faults = {"dp-sgd": 1, NOISE_KEY: key.hex(), RESUMED_STATES: str(resumed)}
     with injected_faults(local_ray, faults):
         trials = run_sweep(pipeline)
-    assert list(trials.status) == [TrialStatus.COMPLETED]
+    assert list(trials.status) == [RunOutcome.COMPLETED]
     assert [json.loads(line) for line in resumed.read_text().splitlines()] == [["draws"]]
     session = Path(ray._private.worker._global_node.get_session_dir_path())
     forms = (key, key.hex().encode(), str(list(key)).encode())

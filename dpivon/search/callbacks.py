@@ -26,15 +26,7 @@ from rich.console import Console
 from dpivon.constraints import NonNegativeFloat, check_bound
 from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage
-from dpivon.search.results import (
-    CHECKPOINT_TAG,
-    ERROR_TAG,
-    GROUP_TAG,
-    STATUS_TAG,
-    TRIAL_TAG,
-    TrialStatus,
-    outcome_recorded,
-)
+from dpivon.search.results import CHECKPOINT_TAG, GROUP_TAG, STATUS_TAG, TRIAL_TAG, outcome_recorded
 from dpivon.search.trial import (
     COMPLETE,
     DIVERGED,
@@ -44,6 +36,7 @@ from dpivon.search.trial import (
     TRIAL_CONFIG,
 )
 from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
+from dpivon.tracking.layout import ERROR_TAG, RunOutcome
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.
 TRACKING_URI_ENV = "DPIVON_TRACKING_URI"
@@ -290,7 +283,7 @@ class MlflowTrialLogger(tune.Callback):
             trial,
             "start",
             name=f"{self.run_name}-{trial.trial_id}",
-            tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: TrialStatus.RUNNING},
+            tags={**self.tags, TRIAL_TAG: trial.trial_id, STATUS_TAG: RunOutcome.RUNNING},
         )
 
     def on_trial_result(
@@ -346,10 +339,10 @@ class MlflowTrialLogger(tune.Callback):
         self._log_saved(trial)  # nothing runs it again: what it reported is its record
         result = trial.last_result or {}
         if result.get(DIVERGED):
-            tags = {STATUS_TAG: TrialStatus.DIVERGED, ERROR_TAG: str(result.get(DIVERGED_ERROR))}
+            tags = {STATUS_TAG: RunOutcome.DIVERGED, ERROR_TAG: str(result.get(DIVERGED_ERROR))}
             self._queue(trial, "end", tags=tags, status="FAILED")
             return
-        done = TrialStatus.COMPLETED if result.get(COMPLETE) else TrialStatus.EARLY_STOPPED
+        done = RunOutcome.COMPLETED if result.get(COMPLETE) else RunOutcome.EARLY_STOPPED
         tags = {STATUS_TAG: done}
         if trial.checkpoint is not None:
             tags[CHECKPOINT_TAG] = self.storage.uri_of(trial.checkpoint.path)
@@ -363,7 +356,7 @@ class MlflowTrialLogger(tune.Callback):
             # the error without a start, so the run is opened here, to be closed FAILED.
             self.on_trial_start(iteration, trials, trial)
         self._log_saved(trial)
-        tags = {STATUS_TAG: TrialStatus.FAILED, ERROR_TAG: trial_error(trial)}
+        tags = {STATUS_TAG: RunOutcome.FAILED, ERROR_TAG: trial_error(trial)}
         self._queue(trial, "end", tags=tags, status="FAILED")
 
     def on_step_end(self, iteration: int, trials: list[Trial], **info: Any) -> None:

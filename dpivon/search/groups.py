@@ -39,16 +39,11 @@ from dpivon.privacy.noise import noise_tags
 from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
-from dpivon.search.results import (
-    BUDGET_TAG,
-    GROUP_TAG,
-    OPTIMIZER_TAG,
-    TRIAL_EPSILON_TAG,
-    group_name,
-)
+from dpivon.search.results import GROUP_TAG, TRIAL_EPSILON_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
 from dpivon.tracking.client import redact_uri
+from dpivon.tracking.layout import EPSILON_TAG, OPTIMIZER_TAG
 
 if TYPE_CHECKING:
     from ray.tune.execution.tune_controller import TuneController
@@ -79,7 +74,7 @@ class SweepGroup:
         return {
             GROUP_TAG: self.name,
             OPTIMIZER_TAG: self.optimizer,
-            BUDGET_TAG: repr(float(self.epsilon)),
+            EPSILON_TAG: repr(float(self.epsilon)),
             TRIAL_EPSILON_TAG: repr(float(self.base_config["epsilon"])),
             **noise_tags(config.privacy.research_mode, config.is_private),
         }

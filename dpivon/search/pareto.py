@@ -21,12 +21,12 @@ import numpy as np
 import pandas as pd
 
 from dpivon.errors import DpivonError
-from dpivon.search.results import TrialStatus
+from dpivon.tracking.layout import RunOutcome
 
 COMPLETED, EARLY_STOPPED, FAILED = (
-    TrialStatus.COMPLETED,
-    TrialStatus.EARLY_STOPPED,
-    TrialStatus.FAILED,
+    RunOutcome.COMPLETED,
+    RunOutcome.EARLY_STOPPED,
+    RunOutcome.FAILED,
 )
 MODES = ("max", "min")
 PICKS = ("knee", "max-accuracy", "min-ece", "pareto")

@@ -7,34 +7,20 @@ resumes, so the final report and the trials table are built from it, not from Tu
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import pandas as pd
 from mlflow.entities import Run
 
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.search.trial import DIVERGED_ERROR, RecordedOutcome
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import EPSILON_TAG, ERROR_TAG, OPTIMIZER_TAG, RunOutcome
 
 TRIAL_TAG = "dpivon.trial_id"
 STATUS_TAG = "dpivon.trial_status"
-ERROR_TAG = "error"  # a failed or diverged trial's error, one line
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
-OPTIMIZER_TAG = "dpivon.optimizer"
-BUDGET_TAG = "dpivon.epsilon"  # the group's budget: what its fronts and exports go by
 SWEEP_DIR_TAG = "dpivon.sweep_dir"  # on the parent: the sweep's folder when it started
 TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
-
-
-class TrialStatus(StrEnum):
-    """What became of a trial: its run's STATUS_TAG and the trials table's ``status``."""
-
-    RUNNING = "running"  # in flight, or interrupted with the driver (a resume finishes it)
-    COMPLETED = "completed"  # trained every epoch: the only outcome eligible for a front
-    EARLY_STOPPED = "early_stopped"  # stopped by ASHA on a shorter run
-    DIVERGED = "diverged"  # training produced non-finite values
-    FAILED = "failed"
 
 
 def group_name(optimizer: str, epsilon: float) -> str:
@@ -42,17 +28,17 @@ def group_name(optimizer: str, epsilon: float) -> str:
     return f"eps{epsilon:g}-{optimizer}"
 
 
-def trial_status(run: Run) -> TrialStatus:
+def trial_status(run: Run) -> RunOutcome:
     """A run's outcome for the report: untagged, still running once the sweep is over, or
     ended FAILED without a diagnosis (an errored trial, a lost driver) counts as failed."""
     try:
-        status = TrialStatus(run.data.tags.get(STATUS_TAG, ""))
+        status = RunOutcome(run.data.tags.get(STATUS_TAG, ""))
     except ValueError:
-        return TrialStatus.FAILED
-    if status is TrialStatus.RUNNING or (
-        run.info.status == "FAILED" and status is not TrialStatus.DIVERGED
+        return RunOutcome.FAILED
+    if status is RunOutcome.RUNNING or (
+        run.info.status == "FAILED" and status is not RunOutcome.DIVERGED
     ):
-        return TrialStatus.FAILED
+        return RunOutcome.FAILED
     return status
 
 
@@ -61,7 +47,7 @@ def outcome_recorded(run: Run) -> bool:
     outcome tagged (the trial's last write), not merely closed by a stopped driver."""
     return (
         run.info.status in ("FINISHED", "FAILED")
-        and run.data.tags.get(STATUS_TAG) != TrialStatus.RUNNING
+        and run.data.tags.get(STATUS_TAG) != RunOutcome.RUNNING
     )
 
 
@@ -75,10 +61,10 @@ def recorded_outcomes(tracker: Tracker, parent_run_id: str) -> dict[str, Recorde
             continue
         status = trial_status(run)
         result: dict[str, float | str] = dict(run.data.metrics)
-        if status is TrialStatus.DIVERGED:
+        if status is RunOutcome.DIVERGED:
             result[DIVERGED_ERROR] = tags.get(ERROR_TAG, "")  # the progress line shows it
         outcomes[tags[TRIAL_TAG]] = RecordedOutcome(
-            result=result, failed=status is TrialStatus.FAILED
+            result=result, failed=status is RunOutcome.FAILED
         )
     return outcomes
 
@@ -103,7 +89,7 @@ def trials_table(tracker: Tracker, parent_run_id: str, storage: ResultsStorage) 
                 "run_id": run.info.run_id,
                 "group": tags.get(GROUP_TAG),
                 "optimizer": tags.get(OPTIMIZER_TAG, params.get("optimizer")),
-                "epsilon": float(tags.get(BUDGET_TAG, params.get("epsilon", "nan"))),
+                "epsilon": float(tags.get(EPSILON_TAG, params.get("epsilon", "nan"))),
                 "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
                 "status": trial_status(run).value,
                 "checkpoint": checkpoint and storage.name_of(checkpoint, recorded_at),

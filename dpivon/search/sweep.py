@@ -56,11 +56,9 @@ from dpivon.search.callbacks import TRACKING_URI_ENV, tracking_wait_s
 from dpivon.search.groups import SweepGroup, group_trainable, group_tuner, sweep_groups
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.results import (
-    ERROR_TAG,
     GROUP_TAG,
     STATUS_TAG,
     SWEEP_DIR_TAG,
-    TrialStatus,
     group_name,
     outcome_recorded,
     recorded_outcomes,
@@ -68,6 +66,7 @@ from dpivon.search.results import (
 from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import ERROR_TAG, KIND_TAG, RunKind, RunOutcome
 
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
 SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
@@ -291,7 +290,7 @@ def _close_lost_trials(tracker: Tracker, parent_run_id: str) -> None:
     for run in tracker.child_runs(parent_run_id):
         if run.info.status in ("RUNNING", "KILLED"):
             error = "lost with the driver before Tune saved it; counted among the trials"
-            tracker.set_tags(run.info.run_id, {STATUS_TAG: TrialStatus.FAILED, ERROR_TAG: error})
+            tracker.set_tags(run.info.run_id, {STATUS_TAG: RunOutcome.FAILED, ERROR_TAG: error})
             tracker.end_run(run.info.run_id, "FAILED")
 
 
@@ -470,7 +469,7 @@ def _run_holding_folder(
     # Without a limit Tune starts one trial at a time; the cluster's slots are the limit.
     concurrency = (pipeline.concurrency or slots) if slots else 0
     tags = {
-        "dpivon.kind": "sweep",
+        KIND_TAG: RunKind.SWEEP,
         SWEEP_DIR_TAG: storage.uri,
         **noise_tags(pipeline.research_mode),
     }

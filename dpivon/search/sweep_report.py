@@ -35,7 +35,7 @@ from dpivon.search.pareto import default_reference, hypervolume_2d, pareto_front
 from dpivon.search.pareto_views import plot_fronts_html, plot_fronts_png, print_front_table
 from dpivon.search.pipeline import Pipeline
 from dpivon.search.release import record_front_on_test, released_models
-from dpivon.search.results import TrialStatus, group_name, trials_table
+from dpivon.search.results import group_name, trials_table
 from dpivon.search.sweep_files import (
     FRONT_FILE,
     HTML_FILE,
@@ -45,6 +45,7 @@ from dpivon.search.sweep_files import (
     TUNING_FILE,
 )
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import RunOutcome
 
 
 def tuning_privacy(
@@ -157,8 +158,8 @@ def report_sweep(
     metrics = front_hypervolumes(front, objectives)
     if not pipeline.hides_trial_count:  # the outcome counts add up to the trial count
         outcomes = trials["status"].value_counts()
-        for status in TrialStatus:
-            if status is not TrialStatus.RUNNING:
+        for status in RunOutcome:
+            if status is not RunOutcome.RUNNING:
                 metrics[f"trials_{status}"] = float(outcomes.get(status, 0))
     for group, report in privacy.items():
         for key, value in report.items():

@@ -27,6 +27,7 @@ from dpivon.study.significance import (
     verdict_word,
 )
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import EPSILON_TAG, OPTIMIZER_TAG
 
 # What the results table aggregates, with the direction in which each improves.
 AGGREGATED: dict[str, str] = {
@@ -123,7 +124,7 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
         if not is_completed(run):
             continue
         tags, run_id = run.data.tags, run.info.run_id
-        epsilon = float(tags["dpivon.epsilon"])
+        epsilon = float(tags[EPSILON_TAG])
         metrics = dict(run.data.metrics)
         if "temperature" in metrics and not is_determined(metrics["temperature"]):
             # fitted before `fit_temperature` refused such fits: no scaling was determined
@@ -144,7 +145,7 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
         records.append(
             RunRecord(
                 method=tags["dpivon.method"],
-                optimizer=tags["dpivon.optimizer"],
+                optimizer=tags[OPTIMIZER_TAG],
                 epsilon=epsilon,
                 replicate=int(tags["dpivon.replicate"]),
                 metrics=metrics,

@@ -74,10 +74,8 @@ from dpivon.study.aggregate import load_records
 from dpivon.study.attribution import add_attribution_blocks
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
 from dpivon.study.layout import (
-    COMPLETED,
     CONFIG_HASH_TAG,
     KEY_TAG,
-    KIND,
     RELIABILITY_FILE,
     STATUS_TAG,
     is_completed,
@@ -86,6 +84,15 @@ from dpivon.study.layout import (
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import (
+    EPSILON_TAG,
+    ERROR_LIMIT,
+    ERROR_TAG,
+    KIND_TAG,
+    OPTIMIZER_TAG,
+    RunKind,
+    RunOutcome,
+)
 from dpivon.tracking.model_file import load_model_file, save_model_file
 
 REPORT_DIR = "report"
@@ -277,11 +284,11 @@ def _child_tags(spec: RunSpec) -> dict[str, str]:
     tags = {
         KEY_TAG: spec.key,
         CONFIG_HASH_TAG: config_hash(spec),
-        STATUS_TAG: "running",
-        "dpivon.kind": "benchmark-run",
+        STATUS_TAG: RunOutcome.RUNNING,
+        KIND_TAG: RunKind.BENCHMARK_RUN,
         "dpivon.method": spec.method,
-        "dpivon.optimizer": spec.config.optimizer.name,
-        "dpivon.epsilon": f"{spec.epsilon:g}",
+        OPTIMIZER_TAG: spec.config.optimizer.name,
+        EPSILON_TAG: f"{spec.epsilon:g}",
         "dpivon.replicate": str(spec.replicate),
         **noise_tags(spec.config.privacy.research_mode, spec.config.is_private),
     }
@@ -294,7 +301,7 @@ def _open_child(tracker: Tracker, parent: str, spec: RunSpec, existing) -> str:
     """The child run of ``spec``: a new one, or the unfinished one of an earlier attempt."""
     if existing is not None:
         run_id = existing.info.run_id
-        tracker.set_tags(run_id, {STATUS_TAG: "running", "error": ""})
+        tracker.set_tags(run_id, {STATUS_TAG: RunOutcome.RUNNING, ERROR_TAG: ""})
         tracker.set_run_status(run_id, "RUNNING")
         return run_id
     run_id = tracker.start_run(
@@ -321,7 +328,7 @@ def _log_result(tracker: Tracker, run_id: str, result: TrainResult) -> None:
         )
     if result.test_reliability is not None:
         tracker.log_dict(run_id, reliability_to_dict(result.test_reliability), RELIABILITY_FILE)
-    tracker.set_tags(run_id, {STATUS_TAG: COMPLETED})
+    tracker.set_tags(run_id, {STATUS_TAG: RunOutcome.COMPLETED})
     tracker.end_run(run_id, "FINISHED")
 
 
@@ -334,7 +341,7 @@ def _store_weights(storage: ResultsStorage, spec: RunSpec, result: TrainResult) 
 
 
 def _fail(tracker: Tracker, run_id: str, message: str, status: str = "FAILED") -> None:
-    tracker.set_tags(run_id, {STATUS_TAG: "failed", "error": message[:5000]})
+    tracker.set_tags(run_id, {STATUS_TAG: RunOutcome.FAILED, ERROR_TAG: message[:ERROR_LIMIT]})
     tracker.end_run(run_id, status)
 
 
@@ -384,7 +391,7 @@ def _start_or_resume(pipeline: BenchmarkPipeline, tracker: Tracker, resume: bool
     parent = tracker.start_run(
         pipeline.name,
         tags={
-            "dpivon.kind": KIND,
+            KIND_TAG: RunKind.BENCHMARK,
             "dpivon.benchmark_dir": storage.uri,
             **noise_tags(pipeline.research_mode),
         },
@@ -826,7 +833,7 @@ def _run_and_report(
         tracker.end_run(parent, "KILLED")
         raise
     except BaseException as err:
-        tracker.set_tags(parent, {"error": f"{type(err).__name__}: {err}"[:5000]})
+        tracker.set_tags(parent, {ERROR_TAG: f"{type(err).__name__}: {err}"[:ERROR_LIMIT]})
         tracker.end_run(parent, "FAILED")
         raise
     tracker.set_tags(parent, {"failed_runs": str(len(outcome.failed))})

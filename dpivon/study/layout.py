@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-KIND = "benchmark"
+from dpivon.tracking.layout import RunOutcome
+
 KEY_TAG = "dpivon.benchmark_key"  # "<method>|eps<epsilon>|seed<seed>", see spec.run_key
-STATUS_TAG = "dpivon.run_status"  # running | completed | failed
+STATUS_TAG = "dpivon.run_status"  # a RunOutcome: running, completed or failed
 CONFIG_HASH_TAG = "dpivon.config_hash"
-COMPLETED = "completed"
 RELIABILITY_FILE = "reliability.json"  # the test reliability bins of a child run
 
 
 def is_completed(run: Any) -> bool:
     """A child whose run returned and was fully logged (skipped by --resume)."""
-    return run.data.tags.get(STATUS_TAG) == COMPLETED and run.info.status == "FINISHED"
+    return run.data.tags.get(STATUS_TAG) == RunOutcome.COMPLETED and run.info.status == "FINISHED"
 
 
 WEIGHTS_DIR = "weights"  # a completed run's model file (see weights_file), beside the state

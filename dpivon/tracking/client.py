@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from dpivon.errors import DpivonError, first_line
 from dpivon.paths import check_regular_file, check_writable
+from dpivon.tracking.layout import ERROR_LIMIT, ERROR_TAG
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -171,7 +172,7 @@ class Tracker:
             raise
         except BaseException as err:
             if self.reachable():  # a store that is down would stall each write for minutes
-                self.set_tags(run_id, {"error": f"{type(err).__name__}: {err}"[:5000]})
+                self.set_tags(run_id, {ERROR_TAG: f"{type(err).__name__}: {err}"[:ERROR_LIMIT]})
                 self.end_run(run_id, "FAILED")
             raise
         self.end_run(run_id, "FINISHED")

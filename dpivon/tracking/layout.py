@@ -1,0 +1,44 @@
+"""How dpivon's runs sit in MLflow, shared by every driver that writes them and every reader:
+the run kinds, the tags all kinds share, and one outcome vocabulary.
+
+A sweep trial keeps its outcome in ``dpivon.trial_status`` and a benchmark run in
+``dpivon.run_status`` (stores written before this module read back unchanged); both hold
+a `RunOutcome`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+KIND_TAG = "dpivon.kind"
+OPTIMIZER_TAG = "dpivon.optimizer"
+# A run's two epsilons, tagged on every run kind that trains (train, benchmark run, sweep
+# trial). EPSILON_TAG: its training's, the budget it was calibrated to (spending at most
+# that) or, under fixed noise, what the accountant says it spent; never less than it spent.
+# END_TO_END_EPSILON_TAG: that training composed (RDP) with the tuning that chose its
+# settings on the same records, which is what its released model costs; equal to the
+# training's for settings fixed without those records.
+EPSILON_TAG = "dpivon.epsilon"
+END_TO_END_EPSILON_TAG = "dpivon.epsilon_end_to_end"
+ERROR_TAG = "error"  # a failed run's error, one line
+ERROR_LIMIT = 5000  # characters of an error kept in its tag
+
+
+class RunKind(StrEnum):
+    """What a parent or stand-alone run is: its ``dpivon.kind`` tag."""
+
+    TRAIN = "train"
+    AUDIT = "audit"
+    SWEEP = "sweep"
+    BENCHMARK = "benchmark"
+    BENCHMARK_RUN = "benchmark-run"
+
+
+class RunOutcome(StrEnum):
+    """What became of a run."""
+
+    RUNNING = "running"  # in flight, or interrupted with its driver (a resume finishes it)
+    COMPLETED = "completed"  # trained every epoch and fully logged
+    EARLY_STOPPED = "early_stopped"  # a sweep trial stopped by ASHA on a shorter run
+    DIVERGED = "diverged"  # training produced non-finite values
+    FAILED = "failed"
