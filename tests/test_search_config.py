@@ -17,7 +17,8 @@ from sweep_helpers import shipped_run_files
 
 from dpivon.config import FLAT_KEYS, parse_config
 from dpivon.errors import DpivonError
-from dpivon.search.pipeline import Pipeline, draw_trial_count, load_pipeline
+from dpivon.privacy.tuning import draw_trial_count
+from dpivon.search.pipeline import Pipeline, load_pipeline
 from dpivon.search.space import SearchSpace, load_search_space
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -402,3 +402,31 @@ def solve_trial_epsilon_within(
         total_epsilon,
         lambda eps: worst_case_tuning_epsilon(candidates_at(eps), delta, conditions, num_trials),
     )
+
+
+def draw_trial_count(trial_count: str, mean: int, rng: np.random.Generator | None = None) -> int:
+    """How many trials one (optimizer, epsilon) group runs; >= 0.
+
+    - ``fixed``: ``mean``.
+    - ``geometric``: P(K = k) = (1 - g)^(k-1) g for k >= 1 with g = 1 / mean, so E[K] = mean.
+      This is the truncated negative binomial D(eta=1, gamma=g) of Papernot & Steinke
+      (ICLR 2022, Theorem 2): releasing the best of K trials then costs the bound of that
+      theorem, far less than K-fold composition. Its spread is large (std ~ mean).
+    - ``poisson``: K ~ Poisson(mean) (Theorem 6 there). K = 0 is kept: that group runs
+      and releases nothing, and the tuning report records it (moving it to 1 would change
+      the distribution the bound assumes).
+
+    The bound holds only for a K the adversary does not know, so ``rng`` defaults to a
+    generator seeded from the OS entropy source (never from a public seed); K is never
+    logged or reported (the reports state its distribution only).
+    """
+    if mean < 1:
+        raise DpivonError(f"the mean number of trials must be >= 1, got {mean}")
+    if trial_count == "fixed":
+        return int(mean)
+    rng = np.random.default_rng() if rng is None else rng
+    if trial_count == "geometric":
+        return int(rng.geometric(1.0 / mean))
+    if trial_count == "poisson":
+        return int(rng.poisson(mean))
+    raise DpivonError(f"unknown trial_count {trial_count!r}; use one of {', '.join(TRIAL_COUNTS)}")
