@@ -26,9 +26,18 @@ CANARY_NORM_IN_CLIPS = 10.0
 HEAD_INPUT_NORM = 10.0
 
 
-def check_canary_count(count: int) -> None:
-    if count < 1:
-        raise DpivonError(f"canaries must be at least 1, got {count}")
+# Canaries per weight of the last layer, at most: each drawn canary adds about C / sqrt(d)
+# to the projections of the others on its output row, noise that grows with their number.
+CANARIES_PER_HEAD_WEIGHT = 10
+
+
+def check_canary_count(count: int, head: nn.Linear) -> None:
+    limit = CANARIES_PER_HEAD_WEIGHT * head.weight.numel()
+    if not 1 <= count <= limit:
+        raise DpivonError(
+            f"canaries must be in [1, {limit}] ({CANARIES_PER_HEAD_WEIGHT} per weight of the "
+            f"model's last layer: more overlap until their noise drowns the signal), got {count}"
+        )
 
 
 def check_auditable_engine(engine: str) -> None:
@@ -73,16 +82,21 @@ class Canaries:
     def draw(cls, head: nn.Linear, count: int, norm: float, seed: int) -> Canaries:
         """``count`` canaries of gradient norm ``norm`` on ``head``; outputs, directions and
         coins come from a generator derived from ``seed`` and used for nothing else."""
-        check_canary_count(count)
-        # A stream of its own: the coins must be independent of the run's randomness.
-        state = np.random.SeedSequence([seed, _CANARY_STREAM]).generate_state(1, np.uint64)
-        generator = torch.Generator().manual_seed(int(state[0]) & (2**63 - 1))
+        check_canary_count(count, head)
+        generator = canary_generator(seed, 0)
         outputs = torch.randint(head.out_features, (count,), generator=generator)
         directions = torch.randn(count, head.in_features, generator=generator, dtype=torch.float64)
         directions /= directions.norm(dim=1, keepdim=True)
         included = torch.rand(count, generator=generator) < 0.5
         norms = torch.full((count,), float(norm), dtype=torch.float64)
         return cls(outputs, directions, norms, included)
+
+
+def canary_generator(seed: int, stream: int) -> torch.Generator:
+    """A generator derived from ``seed`` and used for nothing else: the canaries' coins
+    (stream 0) and signs (stream 1) must be independent of the run's randomness."""
+    state = np.random.SeedSequence([seed, _CANARY_STREAM, stream]).generate_state(1, np.uint64)
+    return torch.Generator().manual_seed(int(state[0]) & (2**63 - 1))
 
 
 def subsampled_gaussian_log_ratio(x: Tensor, sample_rate: float, noise_multiplier: float) -> Tensor:
@@ -101,7 +115,8 @@ def subsampled_gaussian_log_ratio(x: Tensor, sample_rate: float, noise_multiplie
 
 class CanaryLoss(nn.Module):
     """The data's mean-reduced loss with the canary rows (labels -1 - j) in the mean:
-    canary j adds scale_j * logit[o_j], whose gradient on the logits is scale_j e_{o_j}."""
+    canary j adds scales[j] * logit[o_j], whose gradient on the logits is scales[j] e_{o_j}
+    (``scales`` is read at every call: the canaries' signs change it each step)."""
 
     reduction = "mean"
 
@@ -127,10 +142,16 @@ class CanaryExamples:
     Built on a run's training setup, it enrolls them in the Poisson sampler, replaces
     their input to the last layer (a forward pre-hook), puts their loss into the
     criterion, and records every canary's projection of each privatised gradient. `take`
-    is the run's batch filter: it notes which rows of a sampled batch are canaries.
+    is the run's batch filter: it notes which rows of a sampled batch are canaries and
+    draws every canary's sign for the step.
+
+    Why signs: the data's gradient along a canary's direction drifts slowly, so over the
+    steps it would add up like a signal of its own, different for every canary; a canary
+    whose gradient flips with a fresh secret sign each step (the projection is multiplied
+    back) turns that drift, and the other canaries' overlap, into noise that averages out.
     """
 
-    def __init__(self, canaries: Canaries, setup: TrainingSetup) -> None:
+    def __init__(self, canaries: Canaries, setup: TrainingSetup, seed: int) -> None:
         private = setup.private
         if private is None:
             raise ValueError("canaries need a private run")
@@ -143,6 +164,9 @@ class CanaryExamples:
         # per-example norm = scale * sqrt(s^2 + bias): s^2 on the weight, 1 on the bias
         spread = math.sqrt(HEAD_INPUT_NORM**2 + bias)
         self._scales = canaries.norms / spread
+        self._signs = canary_generator(seed, 1)
+        self.signs = torch.ones(len(canaries.norms), dtype=torch.float64)  # this step's
+        self._step_scales = self._scales.clone()  # the loss's scales, signed for the step
         self._inputs = (HEAD_INPUT_NORM * canaries.directions).to(device)
         self._outputs = canaries.outputs.to(device)
         self._directions = canaries.directions.to(device)
@@ -167,7 +191,7 @@ class CanaryExamples:
 
     def _install_loss(self, setup: TrainingSetup) -> None:
         """bk clips in its loss's backward: the canaries' loss goes inside it."""
-        scales = self._scales
+        scales = self._step_scales
         if isinstance(setup.criterion, BookKeepingLoss):
             inner = setup.criterion.criterion
             setup.criterion.criterion = CanaryLoss(inner, self.canaries.outputs, scales)
@@ -175,11 +199,15 @@ class CanaryExamples:
             setup.criterion = CanaryLoss(setup.criterion, self.canaries.outputs, scales)
 
     def take(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The batch as sampled; its canary rows are noted for the forward pre-hook."""
+        """The batch as sampled; its canary rows are noted for the forward pre-hook, and
+        the step's signs drawn."""
         is_canary = y < 0
         self._rows = is_canary.nonzero().flatten()
         self._drawn = (-1 - y[is_canary]).cpu()
         self.times_sampled[self._drawn] += 1
+        coins = torch.rand(len(self.signs), generator=self._signs) < 0.5
+        self.signs = 1.0 - 2.0 * coins.to(torch.float64)
+        self._step_scales.copy_(self._scales * self.signs)
         return x, y
 
     def _replace_inputs(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[Tensor]:
@@ -204,10 +232,11 @@ class CanaryExamples:
     @torch.no_grad()
     def _score_if(self, stepped: bool) -> bool:
         """After pre_step the weight's p.grad holds g_dp: record x_j = b <g_dp, e_o v_j> /
-        unit, canary j's projection in clipped canaries (unit / b: what one adds)."""
+        unit times the step's sign of canary j, its projection in clipped canaries (unit /
+        b: what one adds)."""
         if stepped:
             rows = self.head.weight.grad.to(torch.float64)[self._outputs]
-            projection = (rows * self._directions).sum(1).cpu()
+            projection = (rows * self._directions).sum(1).cpu() * self.signs
             self.transcript.append(projection * self.plan.expected_batch_size / self._unit)
         return stepped
 
