@@ -41,7 +41,7 @@ from dpivon.privacy.tuning import (
     TrialCount,
 )
 from dpivon.runs import check_plan_reachable
-from dpivon.search.space import SearchSpace, drop_union_tags, load_search_space
+from dpivon.search.space import SearchSpace, load_search_space
 from dpivon.search.trial_plan import TrialPlan
 
 __all__ = [
@@ -293,6 +293,19 @@ class Pipeline(TrialPlan, RunFile):
         if metric is None:
             return None
         return "max-accuracy" if metric == self.objectives[0].metric else "min-ece"
+
+
+def drop_union_tags(message: str, tags: tuple[str, ...]) -> str:
+    """Drop the tags pydantic puts into the locations of a discriminated union's errors
+    (for pipeline files); ``message`` is ``format_validation_error``'s "loc: msg; ..."."""
+    parts = []
+    for part in message.split("; "):
+        loc, sep, text = part.partition(": ")
+        if sep and " " not in loc:
+            kept = [x for x in loc.split(".") if x not in tags]
+            part = f"{'.'.join(kept)}: {text}" if kept else text
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def load_pipeline(path: str | Path) -> Pipeline:

@@ -1,47 +1,7 @@
-"""Search spaces: fixed TrainConfig values and Optuna distributions, sampled define-by-run.
-
-One YAML file per optimizer::
-
-    optimizer: dp-ivon-gradsq        # one of dpivon.optim.registry.OPTIMIZER_NAMES
-    params:                          # suggested in this order
-      lr:            {type: float, low: 0.5, high: 50.0, log: true}
-      max_grad_norm: {type: float, low: 0.1, high: 10.0, step: 0.1}
-      batch_size:    {type: int, low: 128, high: 1024, log: true}   # or step: 128
-      beta2:         {type: categorical, choices: [0.99, 0.999, 0.9999]}
-      mc_samples: 1                  # not a mapping: fixed, every trial gets it as is
-      use_wd:        {type: categorical, choices: [true, false]}    # a switch, see below
-      weight_decay:  {type: float, low: 1e-6, high: 1e-2, log: true, when: {use_wd: true}}
-
-A mapping is the :mod:`optuna.distributions` object its constructor's arguments make:
-``float`` is ``FloatDistribution(low, high, log=false, step=null)``, ``int`` is
-``IntDistribution(low, high, log=false, step=1)``, ``categorical`` is
-``CategoricalDistribution(choices)``; Optuna checks log and step. On top: bounds are finite
-numbers of the declared type (``true`` is none; integers within 2**53, which Optuna samples
-as floats), ``low`` < ``high`` (for one value write the value), ``high - low`` a multiple of
-``step`` (Optuna would lower ``high`` silently), choices distinct scalars. ``inf`` in a fixed
-value or a choice is the float.
-
-``when: {name: value}`` (or ``{name: [value, ...]}``) makes a parameter conditional: it is
-suggested only when the EARLIER categorical or int parameter ``name`` took that value (one
-of those values); several names must all match, and a parameter whose condition names an
-inactive one is inactive too. An inactive parameter is absent from the trial and keeps
-its default (the optimizer's: ``dpivon.optim.registry``).
-
-``start:`` (optional, beside ``params``) lists points tried first, before the sampler draws
-any (Optuna's ``enqueue_trial``): the published setting of a method, so a tuned method is
-never below its known setting on the tuning objective. Each point gives a value to every
-sampled parameter active at that point (switches included) and to nothing else::
-
-    start:
-      - {lr: 1.0, max_grad_norm: 0.1}   # Tramer & Boneh's DP-SGD
-
-A ``when`` names at least one parameter. Every name is a training config key, each set once
-(``lr`` and ``optimizer.lr`` are one field), flat (``lr``) or a path (``optimizer.lr``), see
-:func:`dpivon.config.config_key` (a pipeline refuses the keys it sets itself, see
-:meth:`dpivon.search.pipeline.Pipeline.owned_settings`); or a *switch*: a categorical that
-some ``when`` names (``use_wd``), dropped from the trial's config. Loading checks the whole
-file and that every bound and choice is a valid TrainConfig value for the optimizer; each
-problem is one :class:`~dpivon.errors.DpivonError` line naming the file and the parameter.
+"""Search spaces: fixed TrainConfig values and Optuna distributions, sampled define-by-run,
+one YAML file per optimizer; the format, key by key, is docs/search-space-format.md.
+Loading checks the whole file and that every bound and choice is a valid TrainConfig value
+for the optimizer, each problem one line naming the file and the parameter.
 """
 
 from __future__ import annotations
@@ -322,19 +282,6 @@ def _suggest(trial: optuna.trial.Trial, name: str, dist: BaseDistribution) -> An
     if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
-
-
-def drop_union_tags(message: str, tags: tuple[str, ...]) -> str:
-    """Drop the tags pydantic puts into the locations of a discriminated union's errors
-    (for pipeline files); ``message`` is ``format_validation_error``'s "loc: msg; ..."."""
-    parts = []
-    for part in message.split("; "):
-        loc, sep, text = part.partition(": ")
-        if sep and " " not in loc:
-            kept = [x for x in loc.split(".") if x not in tags]
-            part = f"{'.'.join(kept)}: {text}" if kept else text
-        parts.append(part)
-    return "; ".join(parts)
 
 
 class _SpaceFile(BaseModel):

@@ -1,63 +1,6 @@
-"""Benchmark pipelines: methods x epsilons x seeds, each trained once and tested once.
-
-Format (every key but ``name``, ``epsilons``, ``seeds`` and ``methods`` has the default
-shown)::
-
-    name: benchmark-quick            # [a-z0-9_-]+; the state folder and the resume key
-    data: {dataset: cifar10, per_class: 400, val_size: 1000}   # as in a sweep pipeline
-    model: small-cnn                 # default tanh-cnn
-    epochs: 4                        # default 10
-    epsilons: [1, 2, 8, .inf]        # each > 0, distinct; .inf = no noise (still clipped);
-                                     # a non-private method runs at inf only
-    seeds: [0, 1, 2]                 # >= 3 distinct replicates (the report's spread)
-    split_seed: 0                    # the train/validation split, shared by every run
-    delta: 1.0e-5
-    accountant: rdp
-    methods:                         # distinct names (letters, digits, _ . + -) for tables, plots
-      - {name: dp-sgd, optimizer: dp-sgd, train: {lr: 2.0, batch_size: 128}}
-      - {name: dp-ivon-ema, optimizer: dp-ivon-gradsq,
-         train: {curvature_estimator: ema-corrected, lr: 5.0}}
-      - {name: dp-adam, optimizer: dp-adam, from_sweep: quickstart, pick: knee,
-         reference: adam}            # a non-private method of this file: what privacy
-      - {name: adam, optimizer: adam}  # costs under shift (needs shift: default or full)
-    concurrency: 2                   # runs in flight at once, 1-4096
-    resources: {cpu: 1, gpu: 0}      # per run (a Ray task)
-    run_timeout_s: 21600             # a run still going after this is cancelled, failed
-    tracking_uri: null               # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
-    experiment: dpivon-benchmark-quick   # default "dpivon-" + name
-    storage_path: dpivon-runs        # the state folder <storage_path>/<name>/ and the report
-    research_mode: false             # true: noise reproducible from the seeds, no DP guarantee
-    train: {bma_samples: 8}          # more fixed TrainConfig keys for every run
-    shift: none                      # default | full: also score each run's model under
-                                     # dataset shift (dpivon.evaluation.shift; the report's shift
-                                     # figure and selective-prediction table)
-    weight_noise_scales: []          # e.g. [0.002, 0.005, 0.01]: also score each
-                                     # point-estimate model averaged over weight noise
-                                     # (dpivon.evaluation.weight_noise)
-
-A method with ``frozen_curvature_of: <method>`` repeats that IVON-family method with
-``train: {beta2: 1.0}`` (h frozen at hess_init); the report pairs the two by seed: what the
-learned curvature adds. With ``weight_noise_scales`` the report also pairs each point-
-estimate model with its own weight-noise average: what any model gets from averaging over
-weight noise, the IVON family's other ingredient.
-
-A method with ``from_sweep`` (a sweep folder, pipeline file or name, as ``dpivon export``
-takes) trains, at each epsilon, the configuration that sweep's ``pick`` chose from its
-Pareto front of (optimizer, epsilon), via `dpivon.search.export`; the benchmark's data,
-model, epochs, privacy settings and seed replace the sweep's, ``train`` keys go on top.
-Every tuned method must come from sweeps that ran the same number of trials per group:
-a method tuned with more trials would win by budget, not by merit.
-
-A private method's ``reference`` names the non-private method it is the private version of
-(DP-IVON-Gradsq's IVON, DP-Adam's Adam); it changes no run. The report then sets each
-private method's uncertainty under shift beside its reference's, seed by seed (what
-privacy costs, `dpivon.study.shift_report`), so that methods whose non-private versions
-differ are compared by what privacy took from them.
-
-Each run's training seed is derived from (seed, method, epsilon), so in research mode no
-two runs share DP noise (secure noise, the default, is never shared); the split is shared,
-so the seeds' spread is that of training (initialisation, batches, noise, posterior
-draws), not of the data.
+"""Benchmark pipelines: methods x epsilons x seeds, each trained once and tested once; the
+file's format, key by key, is docs/benchmark-format.md. Loading validates the file and the
+sweeps its tuned methods come from, and expands it into one `RunSpec` per run.
 """
 
 from __future__ import annotations
