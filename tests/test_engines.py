@@ -19,12 +19,8 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior, posterior_draws, predict_bma, predict_probs
 from dpivon.models import build_model
 from dpivon.optim.dp_ivon import DPIVON
-from dpivon.privacy.bookkeeping import (
-    BookKeeping,
-    BookKeepingLoss,
-    conv_patch_gram,
-    prefer_ghost_norm,
-)
+from dpivon.privacy.bookkeeping import BookKeeping, BookKeepingLoss
+from dpivon.privacy.clipping_math import conv_patch_gram, prefer_ghost_norm
 from dpivon.privacy.engine import (
     make_private,
     plan_privacy,
