@@ -1,7 +1,9 @@
-"""The one-run privacy audit: the bound against independent computations; canaries that are
-training examples (drawn by the data's sampler, clipped by the engine) for every private
-optimizer and engine; correct runs that pass while their noise-off control has power; a
-missing clip, a sampler at the wrong rate and half the noise, each flagged; the CLI."""
+"""The one-run privacy audit: the binomial bound against independent computations, the
+Gaussian analysis against closed forms and an exactly Gaussian release; canaries that are
+training examples (drawn by the data's sampler, normed and clipped by the engine) for every
+private optimizer and engine; a correct run that certifies at least half its claim while
+its noise-off control has power; a missing clip, q = 1, half the noise, per-example norms
+read 10x too small and a sampler at 3 q, each flagged; the CLI."""
 
 from __future__ import annotations
 
@@ -333,13 +335,19 @@ def test_audit_flags_a_broken_privacy_path(mutation, monkeypatch):
         assert result.real.mean_times_sampled == result.steps
 
 
-@pytest.mark.parametrize("optimizer", ["dp-sgd", "dp-ivon-gradsq"])
-def test_quick_audit_passes_a_correct_run_and_flags_norms_read_too_small(optimizer, monkeypatch):
-    """Two epochs, 1,000 canaries: the unit tier's check of both outcomes."""
-    config = audit_config(optimizer=optimizer, **{**MUTATION_AUDIT, "epochs": 2})
-    assert run_audit(config, 1000).violations() == []
+QUICK_AUDIT = {**MUTATION_AUDIT, "epochs": 2}  # the unit tier's: 18 steps, 1,000 canaries
+
+
+def test_quick_audit_passes_a_correct_dp_ivon_run():
+    result = run_audit(audit_config(optimizer="dp-ivon-gradsq", **QUICK_AUDIT), 1000)
+    assert result.violations() == []
+    assert result.control.mu_lower_bound > result.claimed_mu
+
+
+def test_quick_audit_flags_norms_read_ten_times_too_small(monkeypatch):
     norms_read_ten_times_too_small(monkeypatch)
-    assert any("above the claimed mu" in v for v in run_audit(config, 1000).violations())
+    result = run_audit(audit_config(optimizer="dp-sgd", **QUICK_AUDIT), 1000)
+    assert any("above the claimed mu" in v for v in result.violations())
 
 
 def test_audit_flags_a_missing_clip_in_opacus_hooks(monkeypatch):
@@ -348,7 +356,7 @@ def test_audit_flags_a_missing_clip_in_opacus_hooks(monkeypatch):
             p.summed_grad = p.grad_sample.sum(0)
 
     monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", sum_unclipped)
-    config = audit_config(optimizer="dp-sgd", engine="hooks", **{**MUTATION_AUDIT, "epochs": 2})
+    config = audit_config(optimizer="dp-sgd", engine="hooks", **QUICK_AUDIT)
     assert any("above the claimed mu" in v for v in run_audit(config, 1000).violations())
 
 
