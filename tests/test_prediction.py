@@ -17,7 +17,7 @@ from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior, predict_bma, predict_probs
 from dpivon.evaluation.prediction import entropy, predict_with_uncertainty, predictions_frame
 from dpivon.models import build_model
-from dpivon.search.callbacks import SweepProgress, tally, tally_line
+from dpivon.search.progress import SweepProgress, tally, tally_line
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY
 
 PIXELS = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)

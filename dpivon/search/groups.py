@@ -37,7 +37,8 @@ from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_tags
 from dpivon.process import enter_ray_worker
-from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials, SweepProgress
+from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials
+from dpivon.search.progress import SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
 from dpivon.search.results import GROUP_TAG, TRIAL_EPSILON_TAG, group_name
 from dpivon.search.space import SearchSpace
