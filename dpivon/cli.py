@@ -15,6 +15,7 @@ from rich.table import Table
 from dpivon.commands import (
     OneLineUsageErrors,
     Opt,
+    check_data_source,
     check_outputs,
     config_flags,
     console,
@@ -116,6 +117,17 @@ def train(
     ] = None,
 ) -> None:
     """Train one model at a fixed epsilon and track it in MLflow."""
+    overrides = config_values
+    configs = (
+        load_configs(config, overrides)
+        if config is not None
+        else [parse_config(overrides, source="options")]
+    )
+    for cfg in configs:
+        check_data_source(cfg)
+    check_outputs(json_path, experiment, tracking_uri)
+    shift_set = shift_set_named(shift) if shift is not None else None
+    # after the checks above, which need none of them: a mistake is refused in a second
     from dpivon.evaluation.shift import evaluate_shift_as_configured
     from dpivon.runs import (
         NOT_COVERED_METRICS,
@@ -130,14 +142,6 @@ def train(
     from dpivon.runs.tracked import log_training_result, tracked_run
     from dpivon.tracking.client import Tracker
 
-    overrides = config_values
-    configs = (
-        load_configs(config, overrides)
-        if config is not None
-        else [parse_config(overrides, source="options")]
-    )
-    check_outputs(json_path, experiment, tracking_uri)
-    shift_set = shift_set_named(shift) if shift is not None else None
     for cfg in configs:  # before any data is read: an epsilon no noise can reach
         if cfg.is_private:
             check_plan_reachable(cfg)
@@ -768,9 +772,11 @@ def evaluate(
 
 
 def main() -> None:
-    """The `dpivon` command: restarted on jemalloc first (`dpivon.process`), then the app."""
+    """The `dpivon` command: restarted on jemalloc first (`dpivon.process`), then the app.
+    A request for help trains nothing: it is answered without the restart."""
     try:
-        preload_jemalloc()
+        if len(sys.argv) > 1 and "--help" not in sys.argv[1:]:
+            preload_jemalloc()
     except DpivonError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(2)

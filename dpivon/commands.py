@@ -30,8 +30,7 @@ from dpivon.config import (
 )
 from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted, signals_interrupt
-from dpivon.paths import check_writable
-from dpivon.privacy.noise import RESEARCH_MODE_WARNING
+from dpivon.paths import check_writable, named_data_path
 
 
 class OneLineUsageErrors(typer.core.TyperGroup):
@@ -264,6 +263,8 @@ def warn_of_research_mode(research: bool) -> None:
     """Once, on the console of a command that trains in research mode: nothing it releases
     has a DP guarantee (its runs say so too: the dpivon.noise tag)."""
     if research:
+        from dpivon.privacy.noise import RESEARCH_MODE_WARNING  # loads torch
+
         console.print(f"[bold yellow]warning:[/] {RESEARCH_MODE_WARNING}", highlight=False)
 
 
@@ -280,10 +281,17 @@ def warn_of_frozen_curvature(configs: Iterable[TrainConfig]) -> None:
 def check_outputs(json_path: Path | None, experiment: str, tracking_uri: str | None) -> None:
     """Outputs that would fail only after a long run fail now: an unwritable --json path,
     an empty experiment name, a SQLite store that cannot be written."""
-    from dpivon.tracking.client import check_sqlite_store, resolve_tracking_uri
-
     if not experiment.strip():
         raise DpivonError("--experiment must not be empty")
-    check_sqlite_store(resolve_tracking_uri(tracking_uri))
     if json_path is not None:
         check_writable(json_path, "--json")
+    from dpivon.tracking.client import check_sqlite_store, resolve_tracking_uri  # loads MLflow
+
+    check_sqlite_store(resolve_tracking_uri(tracking_uri))
+
+
+def check_data_source(config: TrainConfig) -> None:
+    """A CIFAR-10 path (``data.data_path`` or $DPIVON_DATA) that does not exist, refused
+    before the command imports torch to load it."""
+    if config.data.dataset == "cifar10":
+        named_data_path(config.data.data_path)

@@ -55,6 +55,7 @@ from dpivon.optim.registry import (
     OPTION_NAMES,
     PRIVATE_OPTIMIZERS,
     OptimizerOptions,
+    UnknownOptionError,
     optimizer_options,
 )
 from dpivon.paths import read_input_text
@@ -363,14 +364,34 @@ def config_key(name: str) -> str:
     raise ValueError(f"{name!r} is not a TrainConfig field{_unknown_key_hint(name)}")
 
 
+# Other libraries' names for our keys (PyTorch, Opacus, Hugging Face)
+_KNOWN_AS = {
+    "learning_rate": "lr",
+    "num_epochs": "epochs",
+    "target_epsilon": "epsilon",
+    "target_delta": "delta",
+    "noise_multiplier": "fixed_noise_multiplier",
+    "clipping_norm": "max_grad_norm",
+}
+# What an unknown key is matched against -> the key suggested: every key, flat and as a
+# path, and the names above, so that learnig_rate gets "did you mean lr?"
+_SUGGESTED = {
+    **{key: key for key in FLAT_KEYS},
+    **{f"{s}.{f}": f"{s}.{f}" for s, f in FLAT_KEYS.values()},
+    **_KNOWN_AS,
+    **{
+        f"{FLAT_KEYS[key][0]}.{alias}": ".".join(FLAT_KEYS[key]) for alias, key in _KNOWN_AS.items()
+    },
+}
+
+
 def _unknown_key_hint(name: str, suggest: bool = True) -> str:
     """What an unknown key may have meant: the closest TrainConfig keys (``suggest``) and
-    any character that only looks like an ASCII one (a Cyrillic e, U+0435, in "epsilon")."""
+    any character that only looks like an ASCII one (a Cyrillic e, U+0435, in "epsilon").
+    The one rule for every unknown key: ``--set``'s, a config file's, an optimizer's."""
     notes = []
-    if suggest:
-        paths = [*FLAT_KEYS, *(f"{s}.{f}" for s, f in FLAT_KEYS.values())]
-        if close := difflib.get_close_matches(name, paths, n=3):
-            notes.append(f"did you mean {', '.join(close)}?")
+    if suggest and (close := difflib.get_close_matches(name, _SUGGESTED, n=3)):
+        notes.append(f"did you mean {', '.join(dict.fromkeys(_SUGGESTED[c] for c in close))}?")
     foreign = dict.fromkeys(c for c in name if not c.isascii())
     if foreign:
         shown = ", ".join(
@@ -630,6 +651,9 @@ def format_validation_error(err: ValidationError) -> str:
         message = _our_wording(e)
         if e["type"] == "extra_forbidden" and loc:  # TrainConfig's keys are known here
             message += _unknown_key_hint(".".join(loc), suggest=err.title == "TrainConfig")
+        unknown = (e.get("ctx") or {}).get("error")
+        if isinstance(unknown, UnknownOptionError) and isinstance(unknown.key, str):
+            message += _unknown_key_hint(f"optimizer.{unknown.key}")
         if isinstance(e.get("input"), bool) and e["type"] in ("float_type", "int_type"):
             name = loc[-1] if loc else "the value"
             if name.isdigit() and len(loc) > 1:  # a list's item: "epsilons.0", not "0"

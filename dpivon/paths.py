@@ -130,3 +130,25 @@ def check_writable_folder(path: Path, what: str) -> None:
         _probe(existing)
     except OSError as err:
         raise DpivonError(f"{what} {path} cannot be used: {err.strerror or err}") from None
+
+
+DATA_ENV = "DPIVON_DATA"
+DATA_HOW_TO_FIX = (
+    f"pass --data-path or set {DATA_ENV} to the tarball, e.g. ../shared/data/cifar10-jpeg.tar.gz"
+)
+
+
+def named_data_path(path: str | Path | None) -> tuple[Path, str] | None:
+    """The CIFAR-10 source the user named and what named it: ``path`` ("data path"), else
+    ``$DPIVON_DATA``; None where neither names one (`dpivon.data.load_cifar10` looks in its
+    cache then). One DpivonError line where it does not exist: here, without numpy or
+    torch, so that commands refuse it before they load them."""
+    if path is not None:
+        named, origin = Path(path).expanduser(), "data path"
+    elif os.environ.get(DATA_ENV):
+        named, origin = Path(os.environ[DATA_ENV]).expanduser(), DATA_ENV
+    else:
+        return None
+    if not named.exists():
+        raise DpivonError(f"{origin} {named} does not exist; {DATA_HOW_TO_FIX}")
+    return named, origin

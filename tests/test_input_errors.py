@@ -15,6 +15,7 @@ import io
 import itertools
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -414,6 +415,59 @@ def test_a_key_with_a_look_alike_character_says_which_and_what_was_meant(tmp_pat
     result = invoke([*SYNTHETIC_TRAIN, "--set", f"{LOOK_ALIKE}=2"], tmp_path, tmp_path / "s.db")
     line = one_line(result)
     assert result.exit_code == 2 and "did you mean epsilon?" in line and "U+0435" in line, line
+
+
+TYPOS = [  # (a config file's text, the same typo with --set, the key the line suggests)
+    ("optimizer: dp-sgd\nlearnig_rate: 0.1", "learnig_rate=0.1", "lr"),
+    ("optimizer: {name: dp-sgd, learnig_rate: 0.1}", "optimizer.learnig_rate=0.1", "optimizer.lr"),
+    ("optimizer: {name: dp-sgd, hess_int: 1.0}", "optimizer.hess_int=1.0", "optimizer.hess_init"),
+    ("optimizer: dp-sgd\ntraining: {epohcs: 3}", "training.epohcs=3", "training.epochs"),
+]
+
+
+@pytest.mark.parametrize(("text", "assignment", "meant"), TYPOS)
+def test_a_config_files_typo_gets_the_suggestion_that_set_gets(tmp_path, text, assignment, meant):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{text}\n")
+    message = _refused(load_configs, path, f"did you mean {meant}")
+    line = one_line(invoke([*SYNTHETIC_TRAIN, "--set", assignment], tmp_path, tmp_path / "s.db"))
+    assert f"did you mean {meant}" in line, (line, message)
+
+
+# Libraries that take seconds to import: a mistake is refused before any of them loads
+HEAVY_LIBRARIES = ("torch", "ray", "mlflow", "optuna", "opacus")
+_LOADED = f"import sys; print([m for m in {HEAVY_LIBRARIES!r} if m in sys.modules])"
+
+
+def test_the_cli_module_imports_no_heavy_library():
+    """The regression guard of `dpivon --help` and the refusals in a second (issue 47):
+    what a command needs, it imports in its body."""
+    out = subprocess.run([sys.executable, "-c", f"import dpivon.cli; {_LOADED}"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--dataset=cifar10", "--optimizer=dp-sgd", "--data-path=/nonexistent.tar.gz"],
+        ["train", "--config={typo}"],
+        ["train", "--dataset=synthetic", "--optimizer=dp-sgd", "--epsilon=0"],
+    ],
+    ids=["a missing data path", "a config typo", "epsilon 0"],
+)
+def test_a_mistake_is_refused_before_any_heavy_library_loads(tmp_path, args):
+    typo = tmp_path / "c.yaml"
+    typo.write_text("optimizer: dp-sgd\nlearnig_rate: 0.1\n")
+    args = [a.format(typo=typo) for a in args]
+    code = (
+        f"import sys; from dpivon.cli import app\ntry: app({args!r})\n"
+        f"except SystemExit as stop: print(stop.code); {_LOADED}"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "DPIVON_DATA": ""})  # fmt: skip
+    assert out.stdout.split() == ["2", "[]"], (out.stdout, out.stderr)
+    assert out.stderr.startswith("error: "), out.stderr
 
 
 def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):

@@ -26,9 +26,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dpivon.data.arrays import CIFAR10_CLASSES, IMAGE_SHAPE, ImageArrays
 from dpivon.errors import DpivonError
-from dpivon.paths import check_writable_folder
+from dpivon.paths import DATA_ENV, DATA_HOW_TO_FIX, check_writable_folder, named_data_path
 
-ENV_DATA = "DPIVON_DATA"
 ENV_CACHE = "DPIVON_CACHE"
 RELEASE_DIR = "cifar-10-batches-py"
 # Part of every cache key: bump it when decoding changes so stale caches are rebuilt.
@@ -42,9 +41,6 @@ _LAYOUT = (
     "<root>/{train,test}/<class>/<image> with the 10 CIFAR-10 class folders "
     f"({', '.join(CIFAR10_CLASSES)}) and 32x32 images, or a directory holding the original "
     f"release folder {RELEASE_DIR}"
-)
-_HOW_TO_FIX = (
-    "pass --data-path or set DPIVON_DATA to the tarball, e.g. ../shared/data/cifar10-jpeg.tar.gz"
 )
 
 
@@ -88,11 +84,9 @@ def load_cifar10(
     parent, or a directory holding the original release (cifar-10-batches-py).
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    if path is not None:
-        return _load_source(_resolve(Path(path).expanduser(), "data path"), cache)
-    env_path = os.environ.get(ENV_DATA)
-    if env_path:
-        return _load_source(_resolve(Path(env_path).expanduser(), ENV_DATA), cache)
+    named = named_data_path(path)
+    if named is not None:
+        return _load_source(_resolve(*named), cache)
     for cache_file in sorted(cache.glob("cifar10-*.npz"), key=_mtime, reverse=True):
         cached = _read_cache(cache_file)
         if cached is not None:
@@ -100,12 +94,12 @@ def load_cifar10(
     if (cache / RELEASE_DIR).is_dir():
         return _load_source(_Source("release", cache), cache)
     looked = (
-        f"no data path was given, {ENV_DATA} is not set, and the cache directory {cache} "
+        f"no data path was given, {DATA_ENV} is not set, and the cache directory {cache} "
         f"holds no decoded copy and no {RELEASE_DIR} folder"
     )
     if not download:
         raise DpivonError(
-            f"CIFAR-10 not found: {looked}; {_HOW_TO_FIX}, or allow the download on a "
+            f"CIFAR-10 not found: {looked}; {DATA_HOW_TO_FIX}, or allow the download on a "
             "machine with internet access"
         )
     _download(cache, looked)
@@ -117,9 +111,8 @@ def _mtime(path: Path) -> int:
 
 
 def _resolve(path: Path, origin: str) -> _Source:
-    """Work out what kind of source `path` is, or explain why it is not one."""
-    if not path.exists():
-        raise DpivonError(f"{origin} {path} does not exist; {_HOW_TO_FIX}")
+    """Work out what kind of source `path` (which exists: `named_data_path`) is, or explain
+    why it is not one."""
     if path.is_file():
         if path.name.endswith(_TAR_SUFFIXES):
             return _Source("tar", path)
@@ -354,7 +347,7 @@ def _load_release(root: Path) -> tuple[ImageArrays, ImageArrays]:
         except (RuntimeError, OSError, ValueError, pickle.UnpicklingError) as exc:
             raise DpivonError(
                 f"cannot read the CIFAR-10 release in {root / RELEASE_DIR} ({exc}); "
-                f"delete it and download again, or {_HOW_TO_FIX}"
+                f"delete it and download again, or {DATA_HOW_TO_FIX}"
             ) from exc
         if tuple(dataset.classes) != CIFAR10_CLASSES:
             raise DpivonError(
@@ -375,5 +368,5 @@ def _download(cache: Path, looked: str) -> None:
     except Exception as exc:
         raise DpivonError(
             f"CIFAR-10 not found and the download into {cache} failed ({exc}); {looked}; "
-            f"{_HOW_TO_FIX}"
+            f"{DATA_HOW_TO_FIX}"
         ) from exc

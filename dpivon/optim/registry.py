@@ -252,6 +252,14 @@ OPTION_NAMES = tuple(
 )
 
 
+class UnknownOptionError(ValueError):
+    """A key that is no optimizer's option; `dpivon.config` says what it may have meant."""
+
+    def __init__(self, key: Any) -> None:
+        super().__init__(f"{key!r} is not an optimizer option")
+        self.key = key
+
+
 def optimizer_spec(name: Any) -> OptimizerSpec:
     if not isinstance(name, str) or name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_NAMES)}")
@@ -279,7 +287,7 @@ def optimizer_options(values: Mapping[str, Any]) -> OptimizerOptions:
     if foreign:
         owners = [n for n, s in OPTIMIZERS.items() if foreign[0] in s.options.model_fields]
         if not owners:
-            raise ValueError(f"{foreign[0]!r} is not an optimizer option")
+            raise UnknownOptionError(foreign[0])
         raise ValueError(f"{foreign[0]} does not apply to {name}; it is an option of "
                          f"{', '.join(owners)}")  # fmt: skip
     for key, value in spec.fixed.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+from rich.console import Console
 
 from dpivon.data import DataSplits
 from dpivon.evaluation import evaluate_as_configured
@@ -16,6 +17,8 @@ from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.model_file import load_model_file
 from dpivon.tracking.served_model import log_model
+
+console = Console(stderr=True)
 
 
 def released_models(front: pd.DataFrame, pipeline: Pipeline) -> pd.DataFrame:
@@ -32,10 +35,19 @@ def record_front_on_test(
     """Test metrics and model of each front member (selected on validation, never on test),
     logged on its run unless its run records them already: finishing again (a resumed
     finished sweep) evaluates and logs nothing twice."""
-    for row in front.itertuples():
+    for number, row in enumerate(front.itertuples(), start=1):
         scored = pd.notna(getattr(row, "test_accuracy", math.nan))  # one batch of metrics
         modelled = tracker.has_logged_model(row.run_id)
         if not (scored and modelled):
+            # a test pass and a model upload each: for a whole front, minutes to account for
+            work = [
+                what for what, done in (("test scores", scored), ("model", modelled)) if not done
+            ]
+            console.print(
+                f"released model {number}/{len(front)} ({row.group}, trial {row.trial_id}): "
+                f"logging its {' and '.join(work)}",
+                highlight=False,
+            )
             # downloaded if stored remotely
             with local_copy(storage.location(row.checkpoint)) as checkpoint:
                 config, model, posterior = load_model_file(checkpoint / MODEL_FILE)
