@@ -1,5 +1,6 @@
 """The privacy layer against real Opacus: noise level, sensitivity, calibration, accounting."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -329,3 +330,16 @@ def test_an_accountant_that_cannot_evaluate_extreme_noise_says_so_in_one_line(ac
     message = str(info.value)
     assert "\n" not in message and f"the {accountant} accountant cannot evaluate" in message
     assert epsilon_spent(5e-324, 0.02, 1320, 1e-5, "rdp") == math.inf  # its variance underflows
+
+
+def test_a_plan_checks_itself_whoever_makes_it():
+    plan = plan_for()
+    dataclasses.replace(plan)  # the calibrated plan is valid as made
+    with pytest.raises(DpivonError, match="above the budget"):
+        dataclasses.replace(plan, noise_multiplier=plan.noise_multiplier / 2)
+    with pytest.raises(DpivonError, match="not the expected batch"):
+        dataclasses.replace(plan, sample_rate=plan.sample_rate * 3)
+    with pytest.raises(DpivonError, match="not whole epochs"):
+        dataclasses.replace(plan, steps=plan.steps + 1)
+    with pytest.raises(DpivonError, match="clip norm"):
+        dataclasses.replace(plan, max_grad_norm=0.0)

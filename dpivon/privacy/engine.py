@@ -88,7 +88,8 @@ class NoisedFastGradientClippingOptimizer(NoiseFromRandomness, DPOptimizerFastGr
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """Everything a private run's guarantee depends on, fixed before training starts.
+    """Everything a private run's guarantee depends on, fixed before training starts; a plan
+    checks itself when made (its noise spends at most its budget, whoever made it).
 
     ``sample_rate`` is exactly ``expected_batch_size / dataset_size``: the sampler draws with
     it, the accountant records it and the optimizer divides by ``expected_batch_size``.
@@ -105,10 +106,50 @@ class PrivacyPlan:
     steps: int
     noise_multiplier: float
 
+    def __post_init__(self) -> None:
+        check_plan_inputs(
+            self.target_epsilon,
+            self.delta,
+            self.max_grad_norm,
+            self.dataset_size,
+            self.expected_batch_size,
+        )
+        if self.sample_rate != self.expected_batch_size / self.dataset_size:
+            raise DpivonError(
+                f"sample rate {self.sample_rate} is not the expected batch over the data, "
+                f"{self.expected_batch_size} / {self.dataset_size}"
+            )
+        if self.steps_per_epoch < 1 or self.steps < 1 or self.steps % self.steps_per_epoch:
+            raise DpivonError(
+                f"{self.steps} steps are not whole epochs of {self.steps_per_epoch} steps"
+            )
+        check_fixed_noise_fits(
+            self.noise_multiplier,
+            self.target_epsilon,
+            self.delta,
+            self.sample_rate,
+            self.steps,
+            self.accountant,
+        )
+
     @property
     def grad_noise_std(self) -> float:
         """Per-coordinate std of the noise in g_dp: sigma_p * C / b."""
         return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+
+
+def check_plan_inputs(
+    target_epsilon: float, delta: float, max_grad_norm: float, dataset_size: int, batch_size: int
+) -> None:
+    """What a plan needs before its noise can be calibrated: a budget that means something,
+    a batch within the data and a clip norm above 0."""
+    check_budget(target_epsilon, delta, dataset_size)
+    if not 0 < batch_size <= dataset_size:
+        raise DpivonError(
+            f"batch size {batch_size} must be in [1, {dataset_size}] (the training set size)"
+        )
+    if not max_grad_norm > 0:
+        raise DpivonError(f"max_grad_norm (clip norm C) must be > 0, got {max_grad_norm}")
 
 
 def plan_privacy(
@@ -130,13 +171,7 @@ def plan_privacy(
     least one pass in expectation). Raises DpivonError for a budget or a batch that means
     nothing, or fixed noise above the budget.
     """
-    check_budget(target_epsilon, delta, dataset_size)
-    if not 0 < batch_size <= dataset_size:
-        raise DpivonError(
-            f"batch size {batch_size} must be in [1, {dataset_size}] (the training set size)"
-        )
-    if not max_grad_norm > 0:
-        raise DpivonError(f"max_grad_norm (clip norm C) must be > 0, got {max_grad_norm}")
+    check_plan_inputs(target_epsilon, delta, max_grad_norm, dataset_size, batch_size)
     if epochs < 1:
         raise DpivonError(f"epochs must be >= 1, got {epochs}")
     sample_rate, one_pass = sampling_schedule(dataset_size, batch_size)
@@ -145,10 +180,7 @@ def plan_privacy(
     if noise_multiplier is None:
         sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
     else:
-        check_fixed_noise_fits(
-            noise_multiplier, target_epsilon, delta, sample_rate, steps, accountant
-        )
-        sigma = noise_multiplier
+        sigma = noise_multiplier  # the plan checks that it fits the budget
     return PrivacyPlan(
         target_epsilon=target_epsilon,
         delta=delta,
