@@ -521,9 +521,14 @@ class TrainConfig(BaseModel):
 
     @property
     def planned_steps(self) -> int:
-        """The optimizer steps the run takes: its epochs of ``steps_per_epoch`` (private
-        runs may set it) or of one pass over the training images, ceil(N / batch)."""
-        one_pass = math.ceil(self.data.train_size / self.training.batch_size)
+        """The optimizer steps the run takes (`steps_at` its batch size)."""
+        return self.steps_at(self.training.batch_size)
+
+    def steps_at(self, batch_size: int) -> int:
+        """The optimizer steps the run would take at ``batch_size``: its epochs of
+        ``steps_per_epoch`` (private runs may set it) or of one pass over the training
+        images, ceil(N / batch)."""
+        one_pass = math.ceil(self.data.train_size / batch_size)
         return self.training.epochs * (self.training.steps_per_epoch or one_pass)
 
     @property

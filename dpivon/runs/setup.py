@@ -178,9 +178,9 @@ def check_plan_reachable(config: TrainConfig, batch_size: int | None = None) -> 
     batch = config.training.batch_size if batch_size is None else batch_size
     if not 0 < batch <= config.data.train_size:
         return  # no sampling rate; the batch checks say what is wrong
-    sample_rate, steps_per_epoch = sampling_schedule(config.data.train_size, batch)
+    sample_rate, _ = sampling_schedule(config.data.train_size, batch)
     privacy = config.privacy
-    steps = config.training.epochs * (config.training.steps_per_epoch or steps_per_epoch)
+    steps = config.steps_at(batch)
     if privacy.fixed_noise_multiplier is not None:
         check_fixed_noise_fits(
             privacy.fixed_noise_multiplier,
