@@ -24,9 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -43,7 +40,6 @@ from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
 from dpivon.logs import logger_level
 from dpivon.orchestration.folder_lock import FolderLock
-from dpivon.orchestration.interrupts import STOP_SIGNALS, Interrupted
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
@@ -63,14 +59,13 @@ from dpivon.search.results import (
     outcome_recorded,
     recorded_outcomes,
 )
+from dpivon.search.stopping import StopOnSignals, StopWhenSaved, SweepInterrupted
 from dpivon.search.sweep_report import report_sweep
 from dpivon.search.trial import RESUME_FILE
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.layout import ERROR_TAG, KIND_TAG, RunKind, RunOutcome
 
 TUNE_EXPERIMENT = "trials"  # the one Tune experiment of all groups, in the sweep folder
-SAVE_WAIT_S = 30.0  # how long a stop waits for the trials' reported checkpoints to register
-_TUNE_SIGINT_ENV = "TUNE_DISABLE_SIGINT_HANDLER"
 console = Console(stderr=True)
 
 
@@ -110,7 +105,7 @@ def _run_trials(
     storage: ResultsStorage,
     tracker: Tracker,
     concurrency: int,
-    stop: _StopOnSignals,
+    stop: StopOnSignals,
 ) -> None:
     """Run (or finish) every group's trials in the sweep's one Tune experiment, at most
     ``concurrency`` at once. On a resume the trials MLflow records as ended are not run
@@ -196,91 +191,6 @@ def _every_trial_recorded(tracker: Tracker, parent_run_id: str, groups: list[Swe
     runs = tracker.child_runs(parent_run_id)
     ended = Counter(run.data.tags.get(GROUP_TAG) for run in runs if outcome_recorded(run))
     return sum(ended.values()) == len(runs) and all(ended[g.name] >= g.trials for g in groups)
-
-
-# --- interruptions --------------------------------------------------------------------------
-
-
-class SweepInterrupted(Interrupted):
-    """SIGINT or SIGTERM stopped the sweep: its trials keep their checkpoints, its parent
-    run is KILLED, ``--resume`` finishes it. A KeyboardInterrupt, so runs end KILLED."""
-
-
-class _StopOnSignals:
-    """While active, SIGINT and SIGTERM stop the sweep cleanly.
-
-    Inside ``Tuner.fit`` the first signal asks for Tune's own graceful stop (its SIGUSR1
-    handler): Tune saves the experiment with the trials in flight, so a resume restarts
-    them from their last checkpoints. Tune registers a reported checkpoint one step after
-    the report, so the stop waits for those (:class:`StopWhenSaved`, at most
-    ``SAVE_WAIT_S``). Anywhere else, or at a second signal, the signal raises
-    :class:`SweepInterrupted` at once.
-    """
-
-    active: _StopOnSignals | None = None  # the one of this process, for StopWhenSaved
-
-    def __enter__(self) -> _StopOnSignals:
-        self.received: int | None = None
-        self._tuning = self._stopping = False
-        self._deadline = 0.0
-        # Handlers can only be set from the main thread; elsewhere the defaults stay.
-        self._active = threading.current_thread() is threading.main_thread()
-        if self._active:
-            self._usr1 = signal.getsignal(signal.SIGUSR1)
-            self._previous = {
-                number: signal.signal(number, self._handle) for number in STOP_SIGNALS
-            }
-            # Tune would take SIGINT over during fit and swallow it; this handler decides.
-            self._environment = ExitStack()
-            self._environment.enter_context(environment_variable(_TUNE_SIGINT_ENV, "1"))
-            _StopOnSignals.active = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self._active:
-            return
-        _StopOnSignals.active = None
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        signal.signal(signal.SIGUSR1, self._usr1)
-        self._environment.close()
-
-    @contextmanager
-    def tuning(self) -> Iterator[None]:
-        self._tuning = True
-        try:
-            yield
-        finally:
-            self._tuning = False
-
-    def _handle(self, number: int, frame) -> None:
-        if self.received is None and self._tuning:
-            self.received, self._deadline = number, time.monotonic() + SAVE_WAIT_S
-            console.print(
-                f"{signal.Signals(number).name}: stopping the sweep; the trials "
-                "keep their checkpoints (again to stop at once)"
-            )
-            return
-        raise SweepInterrupted(self.received or number)
-
-    def stop_tune_once_saved(self, trials: list) -> None:
-        """Between two steps of Tune's loop: after a signal, and once no trial's checkpoint
-        is being registered, trigger Tune's graceful stop."""
-        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed when Tune's loop starts
-        if self.received is None or self._stopping or tune_stop is self._usr1:
-            return
-        if any(t.is_saving for t in trials) and time.monotonic() < self._deadline:
-            return
-        self._stopping = True
-        tune_stop(self.received, None)
-
-
-class StopWhenSaved(tune.Callback):
-    """Lets the driver's signal handling stop Tune between steps (see _StopOnSignals)."""
-
-    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
-        if _StopOnSignals.active is not None:
-            _StopOnSignals.active.stop_tune_once_saved(trials)
 
 
 def _close_lost_trials(tracker: Tracker, parent_run_id: str) -> None:
@@ -476,7 +386,7 @@ def _run_holding_folder(
     # Restored Tune callbacks hold the redacted URI; they read the real one from the
     # environment, for the sweep's time only.
     real_uri = environment_variable(TRACKING_URI_ENV, tracker.tracking_uri)
-    with _StopOnSignals() as stop, real_uri:
+    with StopOnSignals() as stop, real_uri:
         resumed = previous.parent_run_id if previous else None
         with tracker.run(pipeline.name, run_id=resumed, tags=tags) as parent:
             state = previous or _record_new_sweep(
