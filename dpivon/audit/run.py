@@ -26,6 +26,7 @@ from dpivon.privacy.accounting import epsilon_spent
 from dpivon.privacy.engine import PrivacyPlan
 from dpivon.runs import (
     PhaseTimes,
+    RunOptions,
     StepCallback,
     TrainingRun,
     global_generators_restored,
@@ -237,17 +238,16 @@ def scored_run(
     # a constant learning rate, as documented in run_audit
     config = config.replace(lr_schedule="constant")
     with global_generators_restored():
-        run = TrainingRun.set_up(config, data, PhaseTimes(), on_step)
+        task = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
+        options = RunOptions(task=task, noise_off=not noise)
+        run = TrainingRun.set_up(config, data, PhaseTimes(), on_step, options)
         private = run.setup.private
         plan = private.plan
-        if not noise:
-            private.optimizer.noise_multiplier = 0.0
         norm = CANARY_NORM_IN_CLIPS * plan.max_grad_norm
         drawn = Canaries.draw(last_linear(run.setup.model), canaries, norm, config.runtime.seed)
         examples = CanaryExamples(drawn, run.setup, config.runtime.seed)
-        run.task = f"{config.optimizer.name} {'audit' if noise else 'noise-off control'}"
-        run.batch_filter = examples.take  # the canaries go through the engine with the batch
-        run.run_epochs(evaluate=False)
+        # the canaries go through the engine with the batch
+        run.run_epochs(evaluate=False, batch_filter=examples.take)
         scores = examples.scores().numpy()
         if not np.isfinite(scores).all():
             raise DpivonError(

@@ -9,7 +9,7 @@
 """
 
 from dpivon.runs.checkpoint import RunCheckpoint
-from dpivon.runs.loop import TrainingRun, ValidationScores, train
+from dpivon.runs.loop import RunOptions, TrainingRun, ValidationScores, train
 from dpivon.runs.phases import PHASES, PhaseTimes
 from dpivon.runs.release import NOT_COVERED_METRICS, releasable_state, released_metrics
 from dpivon.runs.result import (
@@ -37,7 +37,7 @@ from dpivon.runs.setup import (
 )
 
 __all__ = [
-    "NOT_COVERED_METRICS", "PHASES", "EpochReport", "PhaseTimes", "RunCheckpoint",
+    "NOT_COVERED_METRICS", "PHASES", "EpochReport", "PhaseTimes", "RunCheckpoint", "RunOptions",
     "StepCallback", "StepReport", "TrainResult", "TrainingDiverged", "TrainingRun",
     "TrainingSetup", "ValidationScores", "build_training", "check_batch", "check_fits",
     "check_plan_reachable", "frozen_curvature_warning", "global_generators_restored",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,6 +52,15 @@ ValidationScores = Callable[[nn.Module, Posterior | None], dict[str, float]]
 BatchFilter = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a driver adapts one run, given when the run is made (never set on it after)."""
+
+    task: str | None = None  # the run's name in progress reports; None: its optimizer's
+    extra_validation: ValidationScores | None = None  # more scores each epoch (val_<key>)
+    noise_off: bool = False  # the audit's control: clipping and sampling, no noise
+
+
 def _posterior(setup: TrainingSetup) -> Posterior | None:
     return Posterior.from_ivon(setup.model, setup.ivon) if setup.ivon else None
 
@@ -86,9 +96,8 @@ def _diverged(config: TrainConfig, setup: TrainingSetup, epoch: int) -> Training
 class TrainingRun:
     """One training run, as the phases it runs: set up, restore (a resumed run), the epochs
     (`run_epochs`: each one's steps, then its evaluation and report), finish (the test and
-    the result). Each is timed under `PHASES` in ``phases``. ``task`` names the run in
-    progress reports; ``batch_filter`` changes each batch before its step (the audit puts
-    its canaries in there, so that they go through the engine like any example)."""
+    the result). Each is timed under `PHASES` in ``phases``; ``options`` adapt it to its
+    driver."""
 
     def __init__(
         self,
@@ -98,9 +107,12 @@ class TrainingRun:
         setup: TrainingSetup,
         phases: PhaseTimes,
         on_step: StepCallback | None,
+        options: RunOptions = RunOptions(),
     ) -> None:
         self.config, self.data, self.device, self.setup = config, data, device, setup
         self.phases, self.on_step = phases, on_step
+        if options.noise_off:
+            setup.private.optimizer.noise_multiplier = 0.0
         self.scheduler = lr_scheduler(config, setup)
         self.dp_ivon = setup.ivon if isinstance(setup.ivon, DPIVON) else None
         self.first_epoch = 0
@@ -109,9 +121,8 @@ class TrainingRun:
         self.steps_done = 0
         self.posterior: Posterior | None = None
         self.val: dict[str, float] | None = None  # the last epoch's released scores
-        self.extra_validation: ValidationScores | None = None
-        self.task = config.optimizer.name
-        self.batch_filter: BatchFilter | None = None
+        self.extra_validation = options.extra_validation
+        self.task = options.task or config.optimizer.name
 
     @classmethod
     def set_up(
@@ -120,6 +131,7 @@ class TrainingRun:
         data: DataSplits | None,
         phases: PhaseTimes,
         on_step: StepCallback | None,
+        options: RunOptions = RunOptions(),
     ) -> TrainingRun:
         """Seeds, device, data (phase "data"), model, optimizer and privacy ("setup"). The
         seeds are the global generators': its callers run it inside
@@ -131,7 +143,7 @@ class TrainingRun:
             data = data if data is not None else load_data(config)
         with phases.phase("setup"):
             setup = build_training(config, data, device)
-            return cls(config, data, device, setup, phases, on_step)
+            return cls(config, data, device, setup, phases, on_step, options)
 
     def restore(self, state: dict) -> None:
         """Continue a checkpointed run after its last epoch (phase "setup")."""
@@ -144,14 +156,18 @@ class TrainingRun:
         if self.on_step is not None:
             self.on_step(StepReport(self.task, self.steps_done, self.total_steps, status))
 
-    def train_epoch(self, epoch: int) -> tuple[list[float], list[dict[str, float]]]:
-        """The epoch's optimizer steps: their losses and DPIVON's per-step diagnostics."""
+    def train_epoch(
+        self, epoch: int, batch_filter: BatchFilter | None = None
+    ) -> tuple[list[float], list[dict[str, float]]]:
+        """The epoch's optimizer steps: their losses and DPIVON's per-step diagnostics;
+        ``batch_filter`` changes each batch before its step (the audit puts its canaries
+        in there, so that they go through the engine like any example)."""
         setup, phases = self.setup, self.phases
         setup.trained_module.train()
         losses, step_diagnostics = [], []
         for step, (x, y) in enumerate(timed_batches(setup.loader, self.device, phases)):
-            if self.batch_filter is not None:
-                x, y = self.batch_filter(x, y)
+            if batch_filter is not None:
+                x, y = batch_filter(x, y)
             if self.dp_ivon is not None:
                 self.dp_ivon.track_update_share = step % UPDATE_SHARE_EVERY == 0
             with phases.phase("train"):
@@ -159,7 +175,7 @@ class TrainingRun:
             if not parameters_finite(setup.model):
                 raise _diverged(self.config, setup, epoch)
             losses.append(loss)
-            step_diagnostics.append(getattr(setup.ivon, "step_diagnostics", {}))
+            step_diagnostics.append(self.dp_ivon.step_diagnostics if self.dp_ivon else {})
             self.scheduler.step()
             self.steps_done += 1
             self.report_step(f"epoch {epoch}")
@@ -208,12 +224,16 @@ class TrainingRun:
         return metrics
 
     def run_epochs(
-        self, on_epoch_end: Callable[[EpochReport], None] | None = None, *, evaluate: bool = True
+        self,
+        on_epoch_end: Callable[[EpochReport], None] | None = None,
+        *,
+        evaluate: bool = True,
+        batch_filter: BatchFilter | None = None,
     ) -> None:
         """Every epoch after the restored one; without ``evaluate`` only their steps (the
         audit scores its canaries, not the model)."""
         for epoch in range(self.first_epoch + 1, self.config.training.epochs + 1):
-            losses, step_diagnostics = self.train_epoch(epoch)
+            losses, step_diagnostics = self.train_epoch(epoch, batch_filter)
             if evaluate:
                 metrics = self.evaluate_epoch(epoch, losses, step_diagnostics)
                 self.end_epoch(epoch, metrics, on_epoch_end)
@@ -293,8 +313,8 @@ def train(
     started = time.perf_counter()
     with global_generators_restored():
         phases = phases if phases is not None else PhaseTimes()
-        run = TrainingRun.set_up(config, data, phases, on_step)
-        run.extra_validation = extra_validation
+        options = RunOptions(extra_validation=extra_validation)
+        run = TrainingRun.set_up(config, data, phases, on_step, options)
         if resume_state is not None:
             run.restore(resume_state)
         run.run_epochs(on_epoch_end)
