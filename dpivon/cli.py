@@ -102,7 +102,8 @@ def train(
         Path | None,
         typer.Option(
             help="save the run's state here after every epoch and, when the file exists, "
-            "resume from it in the same MLflow run (as sensitive as the training data)"
+            "resume from it in the same MLflow run (no noise key: releasable like the model "
+            "and its logged metrics)"
         ),
     ] = None,
     profile: Opt[
