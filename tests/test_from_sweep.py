@@ -4,6 +4,7 @@ report carries the sweep's front and tuning budget."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import mlflow
@@ -112,3 +113,41 @@ def test_a_benchmark_trains_the_pick_of_a_real_sweep_for_every_seed(tmp_path):
     assert "| dp-sgd-fixed | dp-sgd |" in report and "fixed hyper-parameters | - |" in report
     assert "1 tuned pick(s): too few to say whether the tuning predicted" in report
     assert parent.info.status == "FINISHED"
+
+    # Both epsilons wherever the tuned model appears: the training's and, composed with the
+    # tuning that chose its settings on the same images, the end-to-end one.
+    tuning = next(r.config.privacy.tuning for r in benchmark.runs if r.method == "dp-sgd-tuned")
+    end_to_end = tuned[0].data.metrics["epsilon_with_tuning"]
+    assert end_to_end > tuning.quoted_epsilon > 8.0
+    for run in runs:  # the same two tags as a train run's and a released sweep model's
+        if "dpivon.benchmark_key" not in run.data.tags:
+            continue
+        tags, metrics = run.data.tags, run.data.metrics
+        assert tags["dpivon.epsilon"] == "8"
+        chosen = "epsilon_with_tuning" if run in tuned else "epsilon_spent"
+        assert float(tags["dpivon.epsilon_end_to_end"]) == pytest.approx(metrics[chosen], rel=1e-5)
+    images = f"same {benchmark.data.train_size:,} training images, chosen by its scores on the "
+    spent = tuned[0].data.metrics["epsilon_spent"]  # the same plan on every seed
+    line = (
+        f"**dp-sgd-tuned** (epsilon 8): training {spent:,.2f}, end to end {end_to_end:,.2f}; "
+        "tuned by sweep tune (front release) on the "
+    )
+    note = parent.data.tags["mlflow.note.content"]
+    for text in (report, note):
+        assert line in text and images in text and "validation scores are exact" in text
+        assert "**Epsilon 8 is what each run's training spent.**" in text
+        assert "**dp-sgd-fixed** (epsilon 8): training " in text
+        assert "; fixed hyper-parameters, not chosen on these images." in text
+    table = outcome.report.results_markdown()  # what a README pastes
+    assert (
+        "| eps spent | eps end to end |" in table and f"| {spent:.2f} | {end_to_end:.2f} |" in table
+    )
+    # the sweep's released models carry what they spent and what their release costs
+    released = [r for r in sweep_runs if r.data.tags.get("dpivon.pareto_optimal") == "true"]
+    quoted = json.loads(folder.read_text("tuning_privacy.json"))["eps8-dp-sgd"]["quoted_epsilon"]
+    assert released and quoted == pytest.approx(tuning.quoted_epsilon)
+    for run in released:
+        assert (
+            float(run.data.tags["dpivon.epsilon"]) == 8.0 == float(run.data.tags["dpivon.budget"])
+        )
+        assert float(run.data.tags["dpivon.epsilon_end_to_end"]) == pytest.approx(quoted, rel=1e-5)

@@ -258,6 +258,14 @@ def test_export_then_train_runs_the_trial_config(finished_sweep, tmp_path):
         run.data.metrics["epsilon_spent"], tuning.quoted_epsilon
     )
     assert "epsilon_with_tuning covers the released model" in result.output
+    # Both epsilons: in the exported file, in what train says, in the run's tags.
+    assert "epsilon 8 this training; epsilon " in exported.read_text()
+    assert "end to end" in exported.read_text()
+    assert "training images, chosen by its scores on the" in " ".join(result.output.split())
+    assert run.data.tags["dpivon.epsilon"] == "8"
+    assert float(run.data.tags["dpivon.epsilon_end_to_end"]) == pytest.approx(
+        run.data.metrics["epsilon_with_tuning"], rel=1e-5
+    )
     # Same data size, batch size and epochs: the noise recalibrates to the trial's sigma.
     assert float(run.data.params["noise_multiplier"]) == trial.data.metrics["noise_multiplier"]
     # The trial's noise was secure: no re-run reproduces it (tests/test_secure_noise.py).
@@ -299,8 +307,8 @@ def test_a_total_epsilon_best_release_sweep_end_to_end(tmp_path):
     assert len(children) == state.trial_counts["eps8-dp-sgd"] >= 1
     # Two named fields: the group's budget and what each trial spent.
     for child in children:
-        assert child.data.tags["dpivon.epsilon"] == "8.0"
-        assert float(child.data.tags["dpivon.trial_epsilon"]) == trial_eps
+        assert child.data.tags["dpivon.budget"] == "8.0"
+        assert float(child.data.tags["dpivon.epsilon"]) == trial_eps
         assert float(child.data.params["epsilon"]) == trial_eps
     trials = pd.read_csv(folder / "trials.csv")
     assert set(trials["epsilon"]) == {8.0} and set(trials["trial_epsilon"]) == {trial_eps}
@@ -697,6 +705,19 @@ def test_a_noise_faithful_sweep_quotes_what_its_trials_ran_and_exports_the_targe
     assert tuning["num_trials"] == 2 and tuning["quoted_epsilon"] > expected["epsilon"]
     assert "batch 32 = 64 / 2" in tuning["tuned_as"] and f"{steps} steps" in tuning["tuned_as"]
     assert "noise-faithful tuning" in parent.data.tags["mlflow.note.content"]
+    # A released model's tags say what it spent, never the budget its group stands for.
+    released = [c for c in children if c.data.tags.get("dpivon.pareto_optimal") == "true"]
+    assert released
+    for child in released:
+        tags = child.data.tags
+        assert float(tags["dpivon.budget"]) == 8.0
+        assert float(tags["dpivon.epsilon"]) == pytest.approx(expected["epsilon"])
+        assert float(tags["dpivon.epsilon_end_to_end"]) == pytest.approx(
+            tuning["quoted_epsilon"], rel=1e-5
+        )
+    trials = pd.read_csv(folder / "trials.csv")  # the tables still go by the budget
+    assert set(trials["epsilon"]) == {8.0}
+    assert trials["trial_epsilon"].to_numpy() == pytest.approx(expected["epsilon"])
     # the export is the run the trials stood for: batch 64, the budget's calibrated sigma
     storage = resolve_sweep(str(path))
     ((_, config),) = export_configs(

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from dpivon.config import TrainConfig
+from dpivon.config import DataConfig, TrainConfig, TuningCost
 from dpivon.errors import DpivonError
 from dpivon.evaluation import Posterior
 from dpivon.evaluation.metrics import ReliabilityDiagram, json_number
@@ -133,13 +133,29 @@ class TrainResult:
                     f"loss is not covered and {validation}"
                 )
             }
-        production = TrialMechanism(plan.noise_multiplier, plan.sample_rate, self.steps)
         return {
             "tuning_epsilon": tuning.quoted_epsilon,
-            "epsilon_with_tuning": compose_with_tuning(production, tuning.quoted_rdp, plan.delta),
+            "epsilon_with_tuning": epsilon_with_tuning(plan, self.steps, tuning),
             "epsilon_covers": (
-                f"epsilon_with_tuning covers the released model: its hyper-parameters were "
-                f"selected by sweep {tuning.sweep!r} ({tuning.group}) on the same records; "
-                f"epsilon_spent covers this training alone"
+                "epsilon_with_tuning covers the released model, epsilon_spent this training "
+                f"alone: {tuning_touched(tuning, self.config.data)}"
             ),
         }
+
+
+def epsilon_with_tuning(plan: PrivacyPlan, steps: int, tuning: TuningCost) -> float:
+    """The end-to-end epsilon of a run of ``steps`` steps of ``plan`` whose settings a sweep
+    chose on the same records: its training composed (RDP) with the tuning's quoted cost."""
+    production = TrialMechanism(plan.noise_multiplier, plan.sample_rate, steps)
+    return compose_with_tuning(production, tuning.quoted_rdp, plan.delta)
+
+
+def tuning_touched(tuning: TuningCost, data: DataConfig) -> str:
+    """What the tuning behind a run's settings touched, in one line: the images its trials
+    trained on and chose by (the run's own split of ``data``, as the end-to-end epsilon
+    assumes), and whether those scores were exact."""
+    return (
+        f"tuned by sweep {tuning.sweep} ({tuning.release} release) on the "
+        f"same {data.train_size:,} training images, chosen by its scores on the "
+        f"{data.val_size:,} validation images; its cost covers {tuning.records_covered}"
+    )

@@ -5,6 +5,7 @@ one child run per trial or run on a parent) and what a finished run logs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +18,7 @@ from dpivon.runs.checkpoint import RunCheckpoint
 from dpivon.runs.release import released_metrics
 from dpivon.runs.result import TrainResult
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import END_TO_END_EPSILON_TAG, EPSILON_TAG
 from dpivon.tracking.served_model import log_model
 
 
@@ -50,6 +52,28 @@ def tracked_run(
         yield run_id
 
 
+def end_to_end_epsilon(values: Mapping[str, Any]) -> float:
+    """A run's end-to-end epsilon from its summary or logged metrics: its training composed
+    with the tuning that chose its settings on the same records (``epsilon_with_tuning``)
+    where a sweep chose them, else its training's own (settings fixed without those
+    records); inf for a run that spent no budget (no noise)."""
+    for key in ("epsilon_with_tuning", "epsilon_spent"):
+        if key in values:  # None: a summary's inf (JSON has none)
+            return math.inf if values[key] is None else float(values[key])
+    return math.inf
+
+
+def epsilon_tags(config: TrainConfig, values: Mapping[str, Any]) -> dict[str, str]:
+    """The run's two epsilons as tags (`dpivon.tracking.layout`): the budget its training was
+    calibrated to, which it spends at most, and the end-to-end epsilon of ``values`` (its
+    summary or logged metrics)."""
+    training = config.privacy.epsilon if config.is_private else math.inf
+    return {
+        EPSILON_TAG: f"{training:g}",
+        END_TO_END_EPSILON_TAG: f"{end_to_end_epsilon(values):.6g}",
+    }
+
+
 # What the run's epsilon was accounted over (train_images: the accountant's dataset size).
 RUN_PARAMS = ("noise_multiplier", "sample_rate", "steps", "target_epsilon", "train_images")
 
@@ -68,6 +92,7 @@ def log_training_result(
         if k.startswith("test_") or k in ("wall_time_s", "tuning_epsilon", "epsilon_with_tuning")
     }
     tracker.log_metrics(run_id, final, step=result.config.training.epochs)
+    tracker.set_tags(run_id, epsilon_tags(result.config, summary))
     tracker.log_dict(run_id, summary, "summary.json")
     tracker.log_text(run_id, result.config.to_yaml(), "config.yaml")
     if result.shift_record is not None:

@@ -31,6 +31,8 @@ import yaml
 from dpivon.config import TrainConfig, TuningCost
 from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage, local_copy
+from dpivon.runs.result import epsilon_with_tuning, tuning_touched
+from dpivon.runs.setup import privacy_plan
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import load_pipeline
 from dpivon.search.sweep import SweepState
@@ -253,11 +255,13 @@ def write_configs(
             f"{config.privacy.epsilon:g}): {scores}"
         )
         if (tuning := config.privacy.tuning) is not None:
-            lines.append(
-                f"#   chosen by sweep {tuning.sweep} ({tuning.group}) at tuning "
-                f"epsilon {tuning.quoted_epsilon:.3g} on the same records: `dpivon "
-                "train` reports the production epsilon composed with it"
-            )
+            plan = privacy_plan(config, config.data.train_size)
+            lines += [
+                f"#   epsilon {config.privacy.epsilon:g} this training; epsilon "
+                f"{epsilon_with_tuning(plan, plan.steps, tuning):.6g} end to end (composed "
+                f"with tuning epsilon {tuning.quoted_epsilon:.6g}; `dpivon train` reports both)",
+                f"#   {tuning_touched(tuning, config.data)}",
+            ]
     documents = [c.model_dump(mode="json") for _, c in picked]
     body = yaml.safe_dump(documents[0] if len(documents) == 1 else documents, sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials
 from dpivon.search.progress import SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
-from dpivon.search.results import GROUP_TAG, TRIAL_EPSILON_TAG, group_name
+from dpivon.search.results import BUDGET_TAG, GROUP_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
 from dpivon.tracking.client import redact_uri
@@ -69,14 +69,15 @@ class SweepGroup:
     @property
     def tags(self) -> dict[str, str]:
         """Its trials' tags: the group's budget and the epsilon each trial spends are two
-        fields (they differ under ``total_epsilon``); fronts, hypervolumes, ``pareto`` and
-        ``export --epsilon`` go by the budget."""
+        fields (they differ under ``total_epsilon`` and ``noise_faithful``); fronts,
+        hypervolumes, ``pareto`` and ``export --epsilon`` go by the budget, while a trial's
+        EPSILON_TAG, like every run's, says what its training spends."""
         config = parse_config(self.base_config, source="sweep group")
         return {
             GROUP_TAG: self.name,
             OPTIMIZER_TAG: self.optimizer,
-            EPSILON_TAG: repr(float(self.epsilon)),
-            TRIAL_EPSILON_TAG: repr(float(self.base_config["epsilon"])),
+            BUDGET_TAG: repr(float(self.epsilon)),
+            EPSILON_TAG: repr(float(self.base_config["epsilon"])),
             **noise_tags(config.privacy.research_mode, config.is_private),
         }
 

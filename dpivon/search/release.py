@@ -4,6 +4,7 @@ front), and their test scores and logged models (chosen on validation, never on 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 from rich.console import Console
@@ -13,8 +14,10 @@ from dpivon.evaluation import evaluate_as_configured
 from dpivon.orchestration.storage import ResultsStorage, local_copy
 from dpivon.search.pareto import pick
 from dpivon.search.pipeline import Pipeline
+from dpivon.search.results import BUDGET_TAG
 from dpivon.search.trial import MODEL_FILE
 from dpivon.tracking.client import Tracker
+from dpivon.tracking.layout import END_TO_END_EPSILON_TAG, EPSILON_TAG
 from dpivon.tracking.model_file import load_model_file
 from dpivon.tracking.served_model import log_model
 
@@ -58,3 +61,22 @@ def record_front_on_test(
             if not modelled:
                 log_model(tracker, row.run_id, config, model, posterior)
         tracker.set_tags(row.run_id, {"dpivon.pareto_optimal": "true"})  # a tag is replaced
+
+
+def tag_released_epsilons(
+    released: pd.DataFrame, privacy: dict[str, dict[str, Any]], tracker: Tracker
+) -> None:
+    """Each released model's two epsilons on its run, as every run kind tags them: what its
+    training spent (a noise-faithful trial spends far more than the budget its group stands
+    for, which BUDGET_TAG keeps) and what its release costs end to end, its group's quoted
+    tuning epsilon (the trials composed, this one among them). Tagged again on every
+    finish, so a store written before these tags gets them on a resumed finished sweep."""
+    for row in released.itertuples():
+        spent = repr(float(row.trial_epsilon))
+        report = privacy.get(row.group)  # none for a non-private group: nothing to compose
+        tags = {
+            BUDGET_TAG: repr(float(row.epsilon)),
+            EPSILON_TAG: spent,
+            END_TO_END_EPSILON_TAG: spent if report is None else f"{report['quoted_epsilon']:.6g}",
+        }
+        tracker.set_tags(row.run_id, tags)

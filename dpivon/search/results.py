@@ -20,7 +20,9 @@ STATUS_TAG = "dpivon.trial_status"
 CHECKPOINT_TAG = "dpivon.checkpoint"
 GROUP_TAG = "dpivon.group"
 SWEEP_DIR_TAG = "dpivon.sweep_dir"  # on the parent: the sweep's folder when it started
-TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"  # what each trial spends (below, total_epsilon)
+BUDGET_TAG = "dpivon.budget"  # a trial's group budget; its EPSILON_TAG is what it spends
+# What a trial spent, in stores written before EPSILON_TAG said so (it held the budget then)
+TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"
 
 
 def group_name(optimizer: str, epsilon: float) -> str:
@@ -77,20 +79,23 @@ def trials_table(tracker: Tracker, parent_run_id: str, storage: ResultsStorage) 
 
     ``epsilon`` is the group's budget (every front, hypervolume, plot and ``--epsilon``
     filter goes by it), ``trial_epsilon`` what the trial spent: the same number unless the
-    sweep has a ``total_epsilon``."""
+    sweep has a ``total_epsilon`` or ``noise_faithful``."""
     rows = []
     recorded_at = tracker.run_tags(parent_run_id).get(SWEEP_DIR_TAG)  # before any copy
     for run in tracker.child_runs(parent_run_id):
         tags, params = run.data.tags, run.data.params
         checkpoint = tags.get(CHECKPOINT_TAG)
+        # a store written before BUDGET_TAG holds the budget in EPSILON_TAG
+        budget = tags.get(BUDGET_TAG, tags.get(EPSILON_TAG, params.get("epsilon", "nan")))
+        spent = tags.get(TRIAL_EPSILON_TAG, tags.get(EPSILON_TAG, params.get("epsilon", "nan")))
         rows.append(
             {
                 "trial_id": tags.get(TRIAL_TAG),
                 "run_id": run.info.run_id,
                 "group": tags.get(GROUP_TAG),
                 "optimizer": tags.get(OPTIMIZER_TAG, params.get("optimizer")),
-                "epsilon": float(tags.get(EPSILON_TAG, params.get("epsilon", "nan"))),
-                "trial_epsilon": float(tags.get(TRIAL_EPSILON_TAG, params.get("epsilon", "nan"))),
+                "epsilon": float(budget),
+                "trial_epsilon": float(spent),
                 "status": trial_status(run).value,
                 "checkpoint": checkpoint and storage.name_of(checkpoint, recorded_at),
                 **{f"param.{k}": v for k, v in params.items()},

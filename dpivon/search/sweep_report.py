@@ -34,7 +34,11 @@ from dpivon.search.description import TEST_COLUMNS, parent_description
 from dpivon.search.pareto import default_reference, hypervolume_2d, pareto_front
 from dpivon.search.pareto_views import plot_fronts_html, plot_fronts_png, print_front_table
 from dpivon.search.pipeline import Pipeline
-from dpivon.search.release import record_front_on_test, released_models
+from dpivon.search.release import (
+    record_front_on_test,
+    released_models,
+    tag_released_epsilons,
+)
 from dpivon.search.results import group_name, trials_table
 from dpivon.search.sweep_files import (
     FRONT_FILE,
@@ -155,6 +159,7 @@ def report_sweep(
     trials = trials.assign(on_front=trials["trial_id"].isin(front["trial_id"]))
 
     privacy, private = tuning_privacy(trials, pipeline, trial_epsilons, counts)
+    tag_released_epsilons(released, privacy, tracker)
     metrics = front_hypervolumes(front, objectives)
     if not pipeline.hides_trial_count:  # the outcome counts add up to the trial count
         outcomes = trials["status"].value_counts()

@@ -18,6 +18,7 @@ import pandas as pd
 
 from dpivon.evaluation.calibration import is_determined
 from dpivon.evaluation.metrics import ReliabilityDiagram
+from dpivon.runs.tracked import end_to_end_epsilon
 from dpivon.study.layout import KEY_TAG, RELIABILITY_FILE, is_completed
 from dpivon.study.significance import (
     UNKNOWN,
@@ -39,6 +40,9 @@ AGGREGATED: dict[str, str] = {
     "test_ts_ece": "min",
     "temperature": "none",
     "epsilon_spent": "none",
+    # the training composed with the tuning that chose the run's settings on the same
+    # images (dpivon.runs.tracked.end_to_end_epsilon): what the released model costs
+    "epsilon_end_to_end": "none",
     "wall_time_s": "none",
     # under shift (a pipeline's ``shift``), at severity 3, as Ovadia et al. compare methods:
     # NaN for runs scored without it
@@ -132,6 +136,7 @@ def load_records(tracker: Tracker, parent_run_id: str) -> list[RunRecord]:
                        and not k.startswith("test_ts_")}  # fmt: skip
         if math.isinf(epsilon):
             metrics["epsilon_spent"] = math.inf  # MLflow stores finite values only
+        metrics["epsilon_end_to_end"] = end_to_end_epsilon(metrics)
         history = {}
         for name in DIAGNOSTIC_KEYS:
             if name in metrics:

@@ -68,7 +68,8 @@ from dpivon.runs import (
     train,
 )
 from dpivon.runs.checkpoint import CHECKPOINT_FIELDS, CHECKPOINT_LAYOUT
-from dpivon.runs.tracked import log_training_result
+from dpivon.runs.result import tuning_touched
+from dpivon.runs.tracked import epsilon_tags, log_training_result
 from dpivon.saved_files import FORMAT_KEY, read_saved
 from dpivon.study.aggregate import load_records
 from dpivon.study.attribution import add_attribution_blocks
@@ -82,7 +83,7 @@ from dpivon.study.layout import (
     weights_file,
 )
 from dpivon.study.shift_report import add_shift_blocks
-from dpivon.study.spec import BenchmarkPipeline, RunSpec
+from dpivon.study.spec import BenchmarkPipeline, RunSpec, run_key
 from dpivon.tracking.client import Tracker
 from dpivon.tracking.layout import (
     EPSILON_TAG,
@@ -705,6 +706,11 @@ def report_benchmark(
     score_stored_weights_under_shift(pipeline, tracker, parent)
     score_weight_noise_averaging(pipeline, tracker, parent)
     records = load_records(tracker, parent)
+    specs = {spec.key: spec for spec in pipeline.runs}
+    for record in records:  # runs logged before both epsilons were tags get them here
+        spec = specs.get(run_key(record.method, record.epsilon, record.replicate))
+        if spec is not None:
+            tracker.set_tags(record.run_id, epsilon_tags(spec.config, record.metrics))
     configs = {}
     for spec in pipeline.runs:
         configs.setdefault(
@@ -719,6 +725,11 @@ def report_benchmark(
         (spec.method, spec.epsilon): spec.tuning_score
         for spec in pipeline.runs
         if spec.tuning_score is not None
+    }
+    touched = {
+        (spec.method, spec.epsilon): tuning_touched(tuning, spec.config.data)
+        for spec in pipeline.runs
+        if (tuning := spec.config.privacy.tuning) is not None
     }
     data = pipeline.data
     subset = f", {data.per_class} per class" if data.per_class else ""
@@ -741,6 +752,7 @@ def report_benchmark(
         sweeps=pipeline.sweep_directories,
         failed=failed,
         tuning_scores=tuning_scores,
+        tuning_touched=touched,
     )
     if records:
         add_shift_blocks(

@@ -85,6 +85,10 @@ TEMPERATURE_NOTE = (
 )
 COLUMN_NOTE = (
     "eps spent: the accountant's epsilon of the training (inf: no noise, clipping only); "
+    "eps end to end: that training composed (RDP, `dpivon.privacy.tuning."
+    "compose_with_tuning`) with the tuning that chose a tuned method's settings on the same "
+    "images, what its released model costs (a method at fixed hyper-parameters: its "
+    "training's, its settings not chosen on these images); "
     "wall s: the run's wall time over every attempt (training, per-epoch validation, the "
     "test, the temperature fit and, with `shift`, the scoring under shift; a run scored under "
     "shift later from its stored weights leaves that out), beside the other runs in flight; "
@@ -100,6 +104,7 @@ _COLUMNS = (
     ("test_ts_ece", "ECE (TS)", 1.0, 3),
     ("temperature", "T", 1.0, 2),
     ("epsilon_spent", "eps spent", 1.0, 2),
+    ("epsilon_end_to_end", "eps end to end", 1.0, 2),
     ("wall_time_s", "wall s", 1.0, 0),
 )
 # (column, header, scale, decimals) of the last epoch's curvature diagnostics
@@ -215,6 +220,7 @@ class Report:
     runs: pd.DataFrame
     verdict: list[str]
     figures: dict[str, bytes] = field(default_factory=dict)
+    privacy: list[str] = field(default_factory=list)  # see privacy_lines
 
     def add_verdict(self, lines: Sequence[str]) -> None:
         """More verdict lines; the Verdict block lists ``verdict`` itself (the same list,
@@ -225,10 +231,12 @@ class Report:
         return markdown_table(*results_rows(self.table))
 
     def note(self) -> str:
-        """The parent run's description: verdict, rule and table, in Markdown."""
+        """The parent run's description: the two epsilons, verdict, rule and table, in
+        Markdown."""
+        privacy = "".join(f"- {line}\n" for line in self.privacy)
         verdict = "\n".join(f"- {line}" for line in self.verdict)
         return (
-            f"**{self.title}**\n\n{verdict}\n\n{STATISTICS_RULE}\n\n{self.results_markdown()}\n\n"
+            f"**{self.title}**\n\n{privacy}\n{verdict}\n\n{STATISTICS_RULE}\n\n{self.results_markdown()}\n\n"
             f"Mean [95 % interval] over seeds. {TEMPERATURE_NOTE} Full report: artifact "
             f"`report/{REPORT_HTML}`."
         )
@@ -300,7 +308,7 @@ def mean_with_interval(
 
 
 # columns that describe the runs rather than score them: their mean alone
-_MEAN_ONLY = ("epsilon_spent", "wall_time_s")
+_MEAN_ONLY = ("epsilon_spent", "epsilon_end_to_end", "wall_time_s")
 
 
 def results_rows(
@@ -623,11 +631,59 @@ def _add_known_setting_check(
 # --- the report ------------------------------------------------------------------------------
 
 
+def _epsilon_text(value: float) -> str:
+    return f"{value:,.2f}" if math.isfinite(value) else "inf"
+
+
+def privacy_lines(table: pd.DataFrame, touched: Mapping[tuple[str, float], str]) -> list[str]:
+    """The report's headline on privacy: per epsilon with tuned methods, what their released
+    models spend end to end against what their training spent; then the rows of the results
+    table with their two epsilons side by side, with what the tuning behind a tuned one
+    touched (``touched``: (method, epsilon) -> `dpivon.runs.result.tuning_touched`). Rows
+    that would say the same are one line (the parent run's description has a length limit)."""
+    said: dict[str, list[str]] = {}  # a line's text after the methods -> its methods
+    tuned: dict[float, list[float]] = {}  # epsilon -> its tuned methods' end-to-end epsilons
+    for _, row in table.iterrows():
+        method, eps = row["method"], row["epsilon"]
+        spent, end_to_end = row["epsilon_spent_mean"], row["epsilon_end_to_end_mean"]
+        if math.isinf(spent):
+            said.setdefault(": not private (no noise), epsilon inf.", []).append(method)
+            continue
+        if (method, eps) in touched:
+            tuned.setdefault(eps, []).append(end_to_end)
+        how = touched.get((method, eps), "fixed hyper-parameters, not chosen on these images")
+        text = (
+            f" (epsilon {eps:g}): training {_epsilon_text(spent)}, end to end "
+            f"{_epsilon_text(end_to_end)}; {how}."
+        )
+        said.setdefault(text, []).append(method)
+    headline = []
+    for eps, values in sorted(tuned.items()):
+        low, high = min(values), max(values)
+        spread = _epsilon_text(low) + ("" if low == high else f" to {_epsilon_text(high)}")
+        headline.append(
+            f"**Epsilon {eps:g} is what each run's training spent.** The tuned methods' "
+            f"settings were chosen by tuning on the same training images, so their released "
+            f"models spend epsilon {spread} end to end (that tuning composed with the "
+            "training by the RDP accountant)."
+        )
+    rows = [", ".join(f"**{m}**" for m in methods) + text for text, methods in said.items()]
+    return headline + rows
+
+
 def _results_blocks(
-    table: pd.DataFrame, verdict: list[str], settings: Sequence[str], failed: dict[str, str]
+    table: pd.DataFrame,
+    verdict: list[str],
+    settings: Sequence[str],
+    failed: dict[str, str],
+    privacy: list[str],
 ) -> list[Block]:
-    """The settings, the verdict, the results table with its notes, the failed runs."""
+    """The settings, the two epsilons, the verdict, the results table with its notes, the
+    failed runs."""
     blocks: list[Block] = [Bullets(list(settings))] if settings else []
+    if privacy:
+        heading = Heading("Privacy: each run's training and its end-to-end epsilon")
+        blocks += [heading, Bullets(privacy)]
     # the report's own list, not a copy: Report.add_verdict adds to what this block shows
     blocks += [Heading("Verdict"), Bullets(verdict), Paragraph(STATISTICS_RULE)]
     blocks += [
@@ -741,13 +797,15 @@ def build_report(
     sweeps: Sequence[ResultsStorage] = (),
     failed: dict[str, str] | None = None,
     tuning_scores: dict[tuple[str, float], tuple[str, float]] | None = None,
+    tuning_touched: Mapping[tuple[str, float], str] | None = None,
 ) -> Report:
     """Aggregate ``records`` and lay out the report (figures rendered to PNG here).
 
     ``method_configs`` maps a method to one of its run configs (its hyper-parameters) and,
     under ``tuned_by``, where a sweep picked it; ``failed`` maps run keys to error lines;
     ``tuning_scores`` maps (method, epsilon) to its pick's (metric, score) in the sweep,
-    for the transfer check (its verdict lines join the verdict).
+    for the transfer check (its verdict lines join the verdict); ``tuning_touched`` maps
+    (method, epsilon) of a tuned method to what its tuning touched (see `privacy_lines`).
     """
     methods = list(method_order or dict.fromkeys(r.method for r in records))
     table = aggregate(records, methods)
@@ -761,8 +819,9 @@ def build_report(
     known = known_setting_checks(runs, known_setting_pairs(method_configs or {}))
     extremes = set(verdict_epsilons(runs))
     verdict += [known_setting_line(*check) for check in known if check[0] in extremes]
-    blocks = _results_blocks(table, verdict, settings, failed or {})
-    report = Report(title, blocks, table, runs, verdict)
+    privacy = privacy_lines(table, tuning_touched or {})
+    blocks = _results_blocks(table, verdict, settings, failed or {}, privacy)
+    report = Report(title, blocks, table, runs, verdict, privacy=privacy)
     if table.empty:
         return report
     differences = difference_rows(runs, methods)

@@ -12,12 +12,13 @@ from enum import StrEnum
 
 KIND_TAG = "dpivon.kind"
 OPTIMIZER_TAG = "dpivon.optimizer"
-# A run's two epsilons, tagged on every run kind that trains (train, benchmark run, sweep
-# trial). EPSILON_TAG: its training's, the budget it was calibrated to (spending at most
-# that) or, under fixed noise, what the accountant says it spent; never less than it spent.
-# END_TO_END_EPSILON_TAG: that training composed (RDP) with the tuning that chose its
-# settings on the same records, which is what its released model costs; equal to the
-# training's for settings fixed without those records.
+# A run's two epsilons, the same names on every run kind that trains. EPSILON_TAG: its
+# training's, the budget it was calibrated to (it spends at most that) or, for a sweep
+# trial, what it spends (a noise-faithful trial far more than its group's budget); never
+# less than the run spent. END_TO_END_EPSILON_TAG, on a finished train or benchmark run and
+# a sweep's released model: that training composed (RDP) with the tuning that chose its
+# settings on the same records, what the released model costs; the training's own for
+# settings fixed without those records.
 EPSILON_TAG = "dpivon.epsilon"
 END_TO_END_EPSILON_TAG = "dpivon.epsilon_end_to_end"
 ERROR_TAG = "error"  # a failed run's error, one line
