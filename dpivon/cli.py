@@ -31,7 +31,7 @@ from dpivon.constraints import Seed, check_bound
 from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.orchestration.interrupts import Interrupted
-from dpivon.paths import check_writable
+from dpivon.paths import check_writable, named_data_path
 from dpivon.process import configure_process, preload_jemalloc
 from dpivon.tracking.layout import KIND_TAG, RunKind
 
@@ -714,6 +714,7 @@ def evaluate(
     (AUROC of max-probability, entropy, mutual information) on the clean test images and on
     CIFAR-10-C-style corruptions at severities 1-5 (made once, then cached)."""
     from dpivon.data import load_test_images
+    from dpivon.data.arrays import class_counts
     from dpivon.evaluation.shift import ShiftSet, check_shift_request, evaluate_shift
     from dpivon.runs import synthetic_sizes
     from dpivon.tracking.served_model import load_scored_model
@@ -730,13 +731,28 @@ def evaluate(
     check_bound(Seed, "--seed", seed)
     if json_path is not None:
         check_writable(json_path, "--json")
+    named = named_data_path(data_path)  # a named source that does not exist: refused here
     config, model, posterior = load_scored_model(model_uri, tracking_uri, trust_model_code)
+    synthetic = config.data.dataset == "synthetic"
+    if synthetic and data_path is not None:
+        raise DpivonError(
+            f"--data-path {data_path} names CIFAR-10, but {model_uri} was trained on synthetic "
+            "images and is scored on its own synthetic test set: drop --data-path"
+        )
+    origin = f" from {named[0]}" if named else " from the cache"
+    source = "synthetic test images" if synthetic else f"CIFAR-10 test images{origin}"
     test = load_test_images(
         config.data.dataset,
         data_path=data_path,
         seed=config.split_seed,
         synthetic_sizes=synthetic_sizes(config),
     )
+    most = int(class_counts(test).max())
+    if per_class is not None and per_class > most:
+        raise DpivonError(
+            f"--per-class {per_class} is above the {most} {source} of the largest class: "
+            f"give at most {most} (or --full for every image)"
+        )
     samples = config.evaluation.bma_samples if bma_samples is None else bma_samples
     result = evaluate_shift(
         model, posterior, test, shift_set,
@@ -744,8 +760,8 @@ def evaluate(
     )  # fmt: skip
     by_severity = result.by_severity()
     _print_shift(
-        f"{model_uri} ({config.optimizer.name}): {result.images} test images per set, means "
-        f"over {len(shift_set.corruptions)} corruption(s)",
+        f"{model_uri} ({config.optimizer.name}): {result.images} {source} per set (severity "
+        f"0) and their corruptions, means over {len(shift_set.corruptions)} corruption(s)",
         by_severity,
     )
     sets = len(result.rows)
@@ -763,6 +779,7 @@ def evaluate(
             "bma_samples": samples if posterior is not None else 0,
             "seed": seed,
             "images": result.images,
+            "data_source": source,
             "corruptions": list(shift_set.corruptions),
             "severities": list(shift_set.severities),
             **result.record(),

@@ -297,6 +297,7 @@ def test_evaluate_scores_a_logged_model_without_retraining(logged):
     work, model_uri, summary = logged
     scored = evaluate_cli(work, model_uri, *SHIFT_ARGS)
     assert scored["optimizer"] == "dp-ivon-gradsq" and scored["bma_samples"] == 2
+    assert scored["data_source"] == "synthetic test images"
     assert scored["images"] == 30 and scored["severities"] == [1, 5]
     assert [(s["corruption"], s["severity"]) for s in scored["sets"]] == [
         ("none", 0), ("gaussian_noise", 1), ("gaussian_noise", 5), ("contrast", 1),
@@ -329,6 +330,10 @@ def test_evaluate_takes_a_model_file_as_committed_weights_are(logged):
         (["{model}", "--corruption", "fogg"], "unknown corruption 'fogg'"),
         (["{model}", "--severity", "6"], "severity must be an integer from 1 to 5, got 6"),
         (["{model}", "--severity", "0"], "severity must be an integer from 1 to 5, got 0"),
+        # no silent substitute data, no silent cap
+        (["{model}", "--data-path", "{work}/no-such.tar.gz"], "no-such.tar.gz does not exist"),
+        (["{model}", "--data-path", "{work}"], "was trained on synthetic images"),
+        (["{model}", "--per-class", "1000000000000"], "is above the 6 synthetic test images"),
     ],
 )
 def test_evaluate_refuses_bad_input_in_one_line_with_exit_2(logged, args, message):

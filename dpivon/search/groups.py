@@ -38,8 +38,8 @@ from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_tags
 from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials
-from dpivon.search.progress import SweepProgress
 from dpivon.search.pipeline import OPTUNA_SAMPLERS, Pipeline
+from dpivon.search.progress import SweepProgress
 from dpivon.search.results import BUDGET_TAG, GROUP_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
