@@ -430,6 +430,10 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
                 f"--set {assignment}: {field_info(flat)[0]} has no null value; give a value, "
                 "or leave it out for the default"
             )
+        if flat in values:  # as a key given twice in a file: the last would win silently
+            raise DpivonError(
+                f"--set {key.strip()} given twice ({values[flat]!r}, then {value!r}); give it once"
+            )
         values[flat] = value
     return values
 

@@ -132,6 +132,8 @@ REFUSALS = {
     "train delta 0.01": ([*SYNTHETIC_TRAIN, "--delta=0.01"], "1/N"),
     "train a device not here": ([*SYNTHETIC_TRAIN, "--device=cuda:99"], "cuda:99"),
     "train --set null": ([*SYNTHETIC_TRAIN, "--set", "lr=null"], "no null value"),
+    "train --set twice": ([*SYNTHETIC_TRAIN, "--set", "lr=0.5", "--set", "optimizer.lr=0.7"],
+                         "--set optimizer.lr given twice (0.5, then 0.7)"),
     "train --json a directory": ([*SYNTHETIC_TRAIN, "--json={tmp}"], "is a directory"),
     "train --config a directory": (["train", "--config={tmp}"], "is a directory"),
     "audit epsilon below the floor": (["audit", "--optimizer=dp-sgd", "--epsilon=1e-12"],
