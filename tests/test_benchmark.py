@@ -1123,3 +1123,22 @@ def test_costs_are_compared_across_references_only_and_holm_adjusted_per_epsilon
     assert holm["a1 vs A"] == pytest.approx(min(1.0, 2 * p["a1 vs A"]), rel=0.05)
     assert table[0][3] == "-0.023" and table[0][-1] == "leads"
     assert table[1][-1] == "indistinguishable"
+
+
+@pytest.mark.parametrize("flag", ["--report-only", "--resume"])
+def test_a_started_benchmark_needs_the_store_that_holds_its_parent(
+    finished_benchmark, tmp_path, flag
+):
+    """A store that does not exist is not created, and one without the parent run is
+    refused, in one line, before Ray or any report."""
+    _, pipeline, _ = finished_benchmark
+    missing = tmp_path / "elsewhere.db"
+    args = ["benchmark", str(pipeline.path), flag, "--tracking-uri"]
+    result = runner.invoke(app, [*args, f"sqlite:///{missing}"])
+    assert result.exit_code == 2 and "elsewhere.db does not exist" in result.output, result.output
+    assert not missing.exists()
+    other = f"sqlite:///{tmp_path}/other.db"
+    Tracker(other, "other-runs").start_run("unrelated")
+    result = runner.invoke(app, [*args, other])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "has no run" in lines[0], result.output

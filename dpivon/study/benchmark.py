@@ -84,7 +84,7 @@ from dpivon.study.layout import (
 )
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec, run_key
-from dpivon.tracking.client import Tracker
+from dpivon.tracking.client import Tracker, check_store_exists
 from dpivon.tracking.layout import (
     EPSILON_TAG,
     ERROR_LIMIT,
@@ -806,19 +806,41 @@ def _run_holding_folder(
     report_only: bool,
 ) -> BenchmarkOutcome:
     """:func:`run_benchmark` once its folder is this driver's."""
+    uri = tracking_uri or pipeline.tracking_uri
     if report_only:
-        return _report_only(
-            pipeline, Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
-        )
+        return _report_only(pipeline, _tracker_of_started(pipeline, uri))
     if resume:
         _check_run_checkpoints(pipeline)
+        if BenchmarkState.exists(pipeline.storage):
+            _tracker_of_started(pipeline, uri)  # its parent run is there: before Ray
     # every run shares data fields and split; a missing data path fails before Ray and MLflow
     data = load_data(pipeline.runs[0].config)
     connect(address, pipeline.resources, "run")  # a cluster no run fits: before the store
     # from Ray's start on, whose own SIGTERM handler would abort the driver
     with signals_interrupt():
-        tracker = Tracker(tracking_uri or pipeline.tracking_uri, pipeline.experiment)
+        tracker = Tracker(uri, pipeline.experiment)
         return _run_and_report(pipeline, tracker, resume, data)
+
+
+def _tracker_of_started(pipeline: BenchmarkPipeline, uri: str) -> Tracker:
+    """The store of a benchmark that has started, checked to hold its parent run (a store
+    that does not exist is not created)."""
+    storage = pipeline.storage
+    if not BenchmarkState.exists(storage):
+        raise DpivonError(
+            f"benchmark {pipeline.name!r} has not started in {storage.uri}: nothing to report; "
+            "run it without --report-only"
+        )
+    parent = BenchmarkState.load(storage).parent_run_id
+    where = f"benchmark {pipeline.name!r} keeps its parent run {parent} in the store it ran with"
+    check_store_exists(uri, f"{where}: give that --tracking-uri")
+    tracker = Tracker(uri, pipeline.experiment)
+    if not tracker.has_run(parent):
+        raise DpivonError(
+            f"the tracking store {tracker.display_uri} has no run {parent}; {where}: give that "
+            "--tracking-uri"
+        )
+    return tracker
 
 
 def _run_and_report(
@@ -861,13 +883,7 @@ def _check_run_checkpoints(pipeline: BenchmarkPipeline) -> None:
 
 
 def _report_only(pipeline: BenchmarkPipeline, tracker: Tracker) -> BenchmarkOutcome:
-    storage = pipeline.storage
-    if not BenchmarkState.exists(storage):
-        raise DpivonError(
-            f"benchmark {pipeline.name!r} has not started in {storage.uri}: nothing to report; "
-            "run it without --report-only"
-        )
-    parent = BenchmarkState.load(storage).parent_run_id
+    parent = BenchmarkState.load(pipeline.storage).parent_run_id
     existing = tracker.child_runs_by_tag(parent, KEY_TAG)
     done = sum(is_completed(existing[s.key]) for s in pipeline.runs if s.key in existing)
     if done == 0:

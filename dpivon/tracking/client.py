@@ -94,6 +94,14 @@ def check_sqlite_store(uri: str) -> None:
     check_writable(path, what)
 
 
+def check_store_exists(uri: str, why: str) -> None:
+    """One line where a ``sqlite:///`` store that should hold earlier runs does not exist:
+    MLflow would create an empty one and answer that the runs are missing."""
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    if uri.startswith("sqlite:///") and not path.exists():
+        raise DpivonError(f"the tracking store {redact_uri(uri)} does not exist; {why}")
+
+
 @contextmanager
 def fluent_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent calls (``mlflow.pyfunc.log_model``, ``load_model`` of a ``runs:/``
