@@ -13,7 +13,7 @@ import optuna
 import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-from sweep_helpers import shipped_run_files
+from sweep_helpers import shipped_run_files, write_pipeline
 
 from dpivon.config import FLAT_KEYS, parse_config
 from dpivon.errors import DpivonError
@@ -1040,3 +1040,18 @@ def test_a_bad_noise_faithful_pipeline_is_one_clear_error(tmp_path, changes, mes
     path = _noise_faithful_pipeline(tmp_path, **changes)
     line = one_line_refusal(load_pipeline, path)
     assert message in line
+
+
+@pytest.mark.parametrize("device", ["cuda", {"type": "categorical", "choices": ["cpu", "cuda:0"]}])
+def test_a_space_that_runs_on_cuda_needs_a_gpu_per_trial(tmp_path, device):
+    """As a pipeline's train: block with device cuda: refused at load, before Ray starts a
+    trial that could not see a GPU."""
+    space = yaml.safe_load((ROOT / "search_spaces" / "quickstart" / "dp-sgd.yaml").read_text())
+    space["params"]["device"] = device
+    space.pop("start", None)
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    optimizers = [{"name": "dp-sgd", "space": str(tmp_path / "space.yaml")}]
+    path = write_pipeline(tmp_path, optimizers=optimizers)
+    with pytest.raises(DpivonError, match=r"params\.device: device cuda(:0)? needs a GPU"):
+        load_pipeline(path)
+    load_pipeline(write_pipeline(tmp_path, optimizers=optimizers, resources={"cpu": 1, "gpu": 1}))

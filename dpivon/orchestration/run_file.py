@@ -144,6 +144,16 @@ class Resources(StrictModel):
         return self
 
 
+def check_device_fits(where: str, device: Any, gpu: float) -> None:
+    """A run on a CUDA device needs a GPU in its resources: Ray hides every GPU from a task
+    that asks for none, so the run would fail on each trial (ValueError: one line)."""
+    if str(device).startswith("cuda") and gpu == 0:
+        raise ValueError(
+            f"{where}: device {device} needs a GPU for each run; set resources: "
+            "{gpu: 1} (or a fraction), or device auto"
+        )
+
+
 class RunFile(StrictModel):
     """What every run file (a sweep pipeline, a benchmark pipeline) holds and checks the
     same way: the config sections its runs share, and where they are tracked and stored."""
@@ -234,13 +244,7 @@ class RunFile(StrictModel):
     def _check_runs(self) -> RunFile:
         check_delta(self.delta, self.data.train_size)
         for where, train in self.train_blocks().items():
-            device = str(train.get("device", "auto"))
-            if device.startswith("cuda") and self.resources.gpu == 0:
-                # Ray hides every GPU from a task that asks for none
-                raise ValueError(
-                    f"{where}: device {device} needs a GPU for each run; set resources: "
-                    "{gpu: 1} (or a fraction), or device auto"
-                )
+            check_device_fits(where, train.get("device", "auto"), self.resources.gpu)
             owned = [key for key in train if key in self.owned_keys]
             if owned:
                 raise ValueError(

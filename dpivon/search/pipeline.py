@@ -34,6 +34,7 @@ from dpivon.orchestration.run_file import (
     Epsilons,
     RunFile,
     StrictModel,
+    check_device_fits,
     distinct,
     train_extras,
 )
@@ -334,6 +335,11 @@ def load_pipeline(path: str | Path) -> Pipeline:
                 "the pipeline for every trial (its privacy budget, data, seed, ...), not by a "
                 "search space; remove it here"
             )
+        try:
+            for device in space.all_values("device") or []:
+                check_device_fits(f"{space_path}: params.device", device, pipeline.resources.gpu)
+        except ValueError as err:
+            raise DpivonError(f"{prefix}: {err}") from None
         spaces[entry.name] = space
     pipeline._spaces = spaces
     _check_trials(pipeline, where)
