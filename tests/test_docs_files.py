@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "results/README.md")
+DOCS = ("README.md", "results/README.md", "results/HISTORY.md")
 # a repository path as a command names it (not a part of /opt/dpivon/... in a container)
 REPO_PATH = re.compile(
     r"(?<![\w/.-])((?:pipelines|search_spaces|results|benchmarks|docker)/[\w./-]+"

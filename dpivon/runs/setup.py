@@ -138,8 +138,8 @@ def check_fits(config: TrainConfig, data: DataSplits) -> None:
         check_tuning_cost(tuning.quoted_rdp, tuning.quoted_epsilon, config.privacy.delta)
 
 
-# Below this share of h learned by the last step, a run's curvature is as good as frozen
-# (issue 44): said before the run, not refused, since a frozen h is a valid ablation.
+# Below this share of h learned by the last step, a run's curvature is as good as frozen:
+# said before the run, not refused, since a frozen h is a valid ablation.
 FROZEN_CURVATURE_SHARE = 0.5
 # The share the warning's suggested beta2 gives.
 LEARNING_CURVATURE_SHARE = 0.9
