@@ -324,7 +324,7 @@ def benchmark(
     """Train every method x epsilon x seed on Ray, aggregate over seeds, write the report.
     Exit 1 when some run failed (the report covers the others; --resume reruns them)."""
     from dpivon.study.benchmark import run_benchmark
-    from dpivon.study.benchmark_report import results_rows
+    from dpivon.study.report_numbers import results_rows
     from dpivon.study.spec import load_benchmark
 
     if resume and report_only:

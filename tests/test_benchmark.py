@@ -55,8 +55,9 @@ from dpivon.study.benchmark import (
     score_on_test,
     time_left_s,
 )
-from dpivon.study.benchmark_report import build_report, verdict_lines, write_report
+from dpivon.study.benchmark_report import build_report, write_report
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
+from dpivon.study.report_numbers import verdict_lines
 from dpivon.study.shift_report import add_shift_blocks, cross_reference_rows
 from dpivon.study.spec import RunSpec, load_benchmark
 from dpivon.tracking.client import Tracker

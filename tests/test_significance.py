@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from dpivon.study.aggregate import RunRecord, compare, records_frame
-from dpivon.study.benchmark_report import difference_rows, verdict_lines
+from dpivon.study.report_numbers import difference_rows, verdict_lines
 from dpivon.study.significance import (
     holm_adjusted,
     mean_interval,
@@ -88,7 +88,8 @@ def test_mean_interval_and_words():
 
 
 def test_the_transfer_check_is_scipys_rank_correlation_and_names_a_reversal():
-    from dpivon.study.benchmark_report import build_report, transfer_checks
+    from dpivon.study.benchmark_report import build_report
+    from dpivon.study.tuning_checks import transfer_checks
 
     finals = {"a": [0.60, 0.61], "b": [0.55, 0.56], "c": [0.50, 0.52], "d": [0.45, 0.44]}
 
@@ -176,7 +177,7 @@ def test_a_tuned_pick_is_set_against_its_optimizers_setting_given_by_hand():
 def test_a_best_mean_that_loses_on_the_shared_seeds_is_not_called_indistinguishable():
     """Ranked by the means over all seeds, tested on the seeds both ran: where the two
     disagree the verdict says so rather than "indistinguishable"."""
-    from dpivon.study.benchmark_report import comparison_text
+    from dpivon.study.report_numbers import comparison_text
 
     # a's third seed lifts its mean above b's, but b is ahead by 0.0101 and 0.0100 on seeds
     # 0 and 1 (interval -0.01005 +- 12.7 x 0.00005)
@@ -191,7 +192,7 @@ def test_a_difference_without_spread_gets_no_interval_and_no_verdict():
     """Accuracies are multiples of 1 / test images: two seeds can differ by exactly the same
     amount. scipy's interval is then a point (or rounding wide), which would call a 0.12-point
     gap on 2 seeds certain."""
-    from dpivon.study.benchmark_report import comparison_text
+    from dpivon.study.report_numbers import comparison_text
 
     d = seed_difference({0: 0.5812, 1: 0.5900}, {0: 0.5800, 1: 0.5888})
     assert d.mean == pytest.approx(0.0012) and d.paired and d.seeds == 2

@@ -26,14 +26,9 @@ import numpy as np
 import pandas as pd
 
 from dpivon.study.aggregate import seed_values
-from dpivon.study.benchmark_report import (
-    STATISTICS_RULE,
-    Heading,
-    Paragraph,
-    Report,
-    TableBlock,
-    difference_cells,
-)
+from dpivon.study.benchmark_report import Report
+from dpivon.study.report_blocks import Heading, Paragraph, TableBlock
+from dpivon.study.report_numbers import STATISTICS_RULE, difference_cells
 from dpivon.study.significance import Difference, holm_adjusted, seed_difference, verdict_word
 
 # (metric, label, scale, decimals, direction) of both tables; a weight-noise average's

@@ -34,20 +34,16 @@ from dpivon.study.aggregate import (
     seed_values,
     verdict_epsilons,
 )
-from dpivon.study.benchmark_report import (
+from dpivon.study.benchmark_report import Report
+from dpivon.study.figures import png_bytes
+from dpivon.study.report_blocks import Block, Heading, Images, Paragraph, TableBlock
+from dpivon.study.report_numbers import (
     STATISTICS_RULE,
-    Block,
-    Heading,
-    Images,
-    Paragraph,
-    Report,
-    TableBlock,
     comparison_text,
     difference_cells,
     difference_rows,
     mean_with_interval,
 )
-from dpivon.study.figures import png_bytes
 from dpivon.study.significance import holm_adjusted, seed_difference, verdict_word
 
 SHIFT_PREFIX = "test_shift_s"
