@@ -46,16 +46,9 @@ from dpivon.runs import (
 )
 from dpivon.saved_files import FORMAT_KEY
 from dpivon.study.aggregate import RunRecord, aggregate, compare, load_records, records_frame
-from dpivon.study.benchmark import (
-    RESUMED_TAG,
-    CheckpointPlace,
-    duration_text,
-    run_benchmark,
-    run_one,
-    score_on_test,
-    time_left_s,
-)
+from dpivon.study.benchmark import RESUMED_TAG, duration_text, run_benchmark, time_left_s
 from dpivon.study.benchmark_report import build_report, write_report
+from dpivon.study.benchmark_run import CheckpointPlace, run_one, score_on_test
 from dpivon.study.layout import KEY_TAG, STATUS_TAG, weights_file
 from dpivon.study.report_numbers import verdict_lines
 from dpivon.study.shift_report import add_shift_blocks, cross_reference_rows
@@ -397,7 +390,7 @@ def interrupted_after_first_epoch(monkeypatch, config, data, checkpoint) -> None
         return real_train(*args, on_epoch_end=save_then_stop, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr("dpivon.study.benchmark.train", train_until_interrupted)
+        patch.setattr("dpivon.study.benchmark_run.train", train_until_interrupted)
         with pytest.raises(KeyboardInterrupt):
             run_one(config, data, checkpoint)
     assert checkpoint.load().epoch == 1

@@ -18,62 +18,44 @@ itself in the checkpoint).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
 import math
-import re
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import ray
 from ray.util.queue import Queue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dpivon.config import TrainConfig
 from dpivon.data import DataSplits
 from dpivon.errors import DpivonError
-from dpivon.evaluation import (
-    choose_weight_noise,
-    evaluate_as_configured,
-    weight_noise_posterior,
-)
-from dpivon.evaluation.calibration import apply_temperature, fit_temperature
 from dpivon.evaluation.metrics import (
     ReliabilityDiagram,
-    classification_metrics,
-    reliability_diagram,
 )
-from dpivon.evaluation.shift import SHIFT_FILE, SHIFT_SETS, ShiftSet, evaluate_shift_as_configured
-from dpivon.optim.registry import IVONOptions
+from dpivon.evaluation.shift import SHIFT_SETS
 from dpivon.orchestration.folder_lock import FolderLock
 from dpivon.orchestration.interrupts import signals_interrupt
 from dpivon.orchestration.provenance import provenance
 from dpivon.orchestration.ray_cluster import check_fits_here, connect
 from dpivon.orchestration.state_file import RunState
-from dpivon.orchestration.storage import ResultsStorage, local_copy
+from dpivon.orchestration.storage import ResultsStorage
 from dpivon.privacy.noise import noise_statement, noise_tags
-from dpivon.process import enter_ray_worker
 from dpivon.runs import (
-    EpochReport,
-    RunCheckpoint,
     TrainResult,
     load_data,
     released_metrics,
-    train,
 )
-from dpivon.runs.checkpoint import CHECKPOINT_FIELDS, CHECKPOINT_LAYOUT
 from dpivon.runs.result import tuning_touched
 from dpivon.runs.tracked import epsilon_tags, log_training_result
-from dpivon.saved_files import FORMAT_KEY, read_saved
 from dpivon.study.aggregate import load_records
 from dpivon.study.attribution import add_attribution_blocks
 from dpivon.study.benchmark_report import Report, build_report, log_report, write_report
+from dpivon.study.benchmark_run import CheckpointPlace, config_hash, run_in_worker
 from dpivon.study.layout import (
     CONFIG_HASH_TAG,
     KEY_TAG,
@@ -82,6 +64,7 @@ from dpivon.study.layout import (
     is_completed,
     weights_file,
 )
+from dpivon.study.rescoring import score_stored_weights_under_shift, score_weight_noise_averaging
 from dpivon.study.shift_report import add_shift_blocks
 from dpivon.study.spec import BenchmarkPipeline, RunSpec, run_key
 from dpivon.tracking.client import Tracker, check_store_exists
@@ -94,14 +77,11 @@ from dpivon.tracking.layout import (
     RunKind,
     RunOutcome,
 )
-from dpivon.tracking.model_file import load_model_file, save_model_file
+from dpivon.tracking.model_file import save_model_file
 
 REPORT_DIR = "report"
 GET_TIMEOUT_S = 300.0  # fetching the result of a task Ray reports as finished
 POLL_S = 5.0  # how long one wait for a finished run lasts before deadlines are checked
-CHECKPOINTS = "checkpoints"  # <storage>/checkpoints/<run>.pt: the runs in progress
-# The benchmark's checkpoint before every driver shared one format
-BENCHMARK_LAYOUT_1 = {"config_hash": str, "training": dict, "seconds": (int, float)}
 RESUMED_TAG = "dpivon.resumed_after_epoch"
 console = Console(stderr=True)
 
@@ -127,149 +107,7 @@ class BenchmarkOutcome:
     report_files: list[str] = field(default_factory=list)  # report.md, report.html, ...
 
 
-# --- one run (inside a Ray worker) ----------------------------------------------------------
-
-
-def score_on_test(
-    result: TrainResult, data: DataSplits, shift_set: ShiftSet | None = None
-) -> TrainResult:
-    """The run's test metrics and reliability, and post-hoc temperature scaling: T fitted on
-    the validation predictive (exact scores of the validation records, as the sweep uses
-    them), applied to the test predictive (accuracy is unchanged by T).
-
-    Scaling needs the predictive probabilities, which `train` does not return, so the test
-    set is evaluated here, once, with `train`'s own evaluation
-    (`dpivon.evaluation.evaluate_as_configured`: the run's BMA samples, bins and seed, the
-    same numbers `evaluate_test=True` gives);
-    evaluating it twice would double the cost of a run (BMA over the whole test set).
-    With ``shift_set`` the test metrics gain ``shift_s<k>_*``: the predictive on that set's
-    clean and corrupted test images (`dpivon.evaluation.shift`).
-    """
-    config = result.config
-
-    def predictive(split):
-        return evaluate_as_configured(config, result.model, split, result.posterior)
-
-    val, test = predictive(data.val), predictive(data.test)
-    extra = dict(result.extra)
-    temperature = fit_temperature(val.probs, val.labels)
-    if temperature is not None:  # else the validation split does not determine one
-        tempered = classification_metrics(
-            apply_temperature(test.probs, temperature), test.labels, config.evaluation.ece_bins
-        )
-        extra["temperature"] = temperature
-        extra.update({f"test_ts_{k}": v for k, v in tempered.items() if k != "accuracy"})
-    diagram = reliability_diagram(test.probs, test.labels, config.evaluation.ece_bins)
-    metrics, shift_record = dict(test.metrics), None
-    if shift_set is not None:
-        shifted = evaluate_shift_as_configured(
-            config, result.model, result.posterior, data.test_images, shift_set
-        )
-        metrics.update(shifted.by_severity())
-        shift_record = shifted.record()
-    return replace(
-        result, test=metrics, test_reliability=diagram, extra=extra, shift_record=shift_record
-    )
-
-
-class EpochSink(Protocol):
-    """Where a run reports its finished epochs: a Ray queue (or any queue)."""
-
-    def put_nowait(self, item: tuple[str, int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class CheckpointPlace:
-    """Where one benchmark run keeps its `RunCheckpoint`, rewritten after every epoch in the
-    benchmark's folder: `--resume` continues an interrupted run from it, in a later session
-    too, since the folder may be kept (and published) with the results, which the
-    checkpoint's releasable state allows. Deleted once the run's result is logged."""
-
-    folder: ResultsStorage  # <storage>/checkpoints, by its absolute location
-    name: str
-    config: TrainConfig
-    config_hash: str  # what a checkpoint of layout 1 names its configuration by
-
-    @classmethod
-    def of(cls, storage: ResultsStorage, spec: RunSpec) -> CheckpointPlace:
-        # "." is in no method name: distinct keys give distinct files
-        name = re.sub(r"[^A-Za-z0-9_.-]", ".", spec.key) + ".pt"
-        folder = ResultsStorage.at(storage.location(CHECKPOINTS))
-        return cls(folder, name, spec.config, config_hash(spec))
-
-    def load(self) -> RunCheckpoint | None:
-        """The run's checkpoint, or None when it has none; one the benchmark wrote before
-        every driver shared one format (layout 1: releasable already, its configuration
-        named by a hash) reads as one of today's."""
-        if not self.folder.exists(self.name):
-            return None
-        where = self.folder.location(self.name)
-        layouts = {1: [BENCHMARK_LAYOUT_1], CHECKPOINT_LAYOUT: [CHECKPOINT_FIELDS]}
-        saved = read_saved(self.folder.read_bytes(self.name), "checkpoint", layouts, where)
-        if saved[FORMAT_KEY] == CHECKPOINT_LAYOUT:
-            return RunCheckpoint.from_saved(saved, where).check_config(self.config, where)
-        if saved["config_hash"] != self.config_hash:
-            raise DpivonError(
-                f"checkpoint {where} is of another run configuration; delete it (the run "
-                "then starts from its first epoch)"
-            )
-        layout_2 = {**saved, FORMAT_KEY: CHECKPOINT_LAYOUT, "config": self.config.flat(),
-                    "mlflow_run_id": ""}  # fmt: skip
-        return RunCheckpoint.from_saved(layout_2, where)
-
-    def save(self, checkpoint: RunCheckpoint) -> None:
-        self.folder.write_bytes(self.name, checkpoint.to_bytes())
-
-    def remove(self) -> None:
-        self.folder.remove(self.name)
-
-
-def run_in_worker(threads: int, *args: Any) -> TrainResult:
-    """The Ray task: ``run_one(*args)`` in a worker that it sets up first, ``threads`` being
-    its CPU share."""
-    enter_ray_worker(threads)
-    return run_one(*args)
-
-
-def run_one(
-    config: TrainConfig,
-    data: DataSplits,
-    place: CheckpointPlace,
-    resume: RunCheckpoint | None = None,
-    epochs_done: EpochSink | None = None,
-    shift_set: ShiftSet | None = None,
-) -> TrainResult:
-    """One benchmark run (the Ray task's body): train (from ``resume``, checkpointing every
-    epoch), test, temperature-scale, score under ``shift_set`` (the pipeline's ``shift``); the model
-    returns on the CPU, its wall time summed over attempts.
-    After each checkpoint, ``(checkpoint name, epoch)`` goes to ``epochs_done`` (a queue:
-    the driver's progress line)."""
-    earlier_s = resume.seconds if resume is not None else 0.0
-    started = time.perf_counter()
-
-    def save(report: EpochReport) -> None:
-        seconds = earlier_s + time.perf_counter() - started
-        place.save(RunCheckpoint.after_epoch(config, report, seconds=seconds))
-        if epochs_done is not None:  # progress only: a lost queue fails no run
-            with contextlib.suppress(ray.exceptions.RayError):
-                epochs_done.put_nowait((place.name, report.epoch))
-
-    result = train(
-        config,
-        data=data,
-        evaluate_test=False,
-        on_epoch_end=save,
-        resume_state=resume.training if resume is not None else None,
-    )
-    scored = score_on_test(result, data, shift_set)
-    return replace(scored, wall_time_s=earlier_s + time.perf_counter() - started)
-
-
 # --- MLflow layout --------------------------------------------------------------------------
-
-
-def config_hash(spec: RunSpec) -> str:
-    return hashlib.sha256(spec.config_json.encode()).hexdigest()[:16]
 
 
 def reliability_to_dict(diagram: ReliabilityDiagram) -> dict[str, list]:
@@ -578,123 +416,6 @@ def execute_runs(
             raise
         finally:
             epochs_done.shutdown()
-
-
-def _stored_model(pipeline: BenchmarkPipeline, spec: RunSpec, scores: str) -> tuple | None:
-    """(config, model, posterior) from a run's stored weights; None, with a note naming the
-    ``scores`` only a rerun can give, where they are gone."""
-    name = weights_file(spec.key)
-    if not pipeline.storage.exists(name):
-        console.print(
-            f"[yellow]note:[/] {spec.key} has no stored weights ({name}); its {scores} "
-            "need the run again",
-            highlight=False,
-        )
-        return None
-    with local_copy(pipeline.storage.location(name)) as path:
-        return load_model_file(path)
-
-
-def score_stored_weights_under_shift(
-    pipeline: BenchmarkPipeline, tracker: Tracker, parent: str
-) -> int:
-    """The pipeline's ``shift`` scores of every completed run that lacks them (finished
-    before the pipeline asked for them), from its stored weights: an evaluation, no
-    retraining, logged on its run as training would have. Returns how many were scored; a
-    run without stored weights is named (only a rerun can score it)."""
-    shift_set = SHIFT_SETS.get(pipeline.shift)
-    if shift_set is None:
-        return 0
-    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
-    todo = [
-        (spec, existing[spec.key])
-        for spec in pipeline.runs
-        if spec.key in existing
-        and is_completed(existing[spec.key])
-        and not any(k.startswith("test_shift_") for k in existing[spec.key].data.metrics)
-    ]
-    test_images = load_data(todo[0][0].config).test_images if todo else None
-    for number, (spec, run) in enumerate(todo, 1):
-        if (stored := _stored_model(pipeline, spec, "shift scores")) is None:
-            continue
-        config, model, posterior = stored
-        shifted = evaluate_shift_as_configured(config, model, posterior, test_images, shift_set)
-        scores = {f"test_{k}": v for k, v in shifted.by_severity().items()}
-        tracker.log_metrics(run.info.run_id, scores, step=config.training.epochs)
-        tracker.log_dict(run.info.run_id, shifted.record(), SHIFT_FILE)
-        console.print(
-            f"scored {spec.key} under shift ({number}/{len(todo)}) from {weights_file(spec.key)}: "
-            f"{shifted.seconds.get('predict_cpu_s', float('nan')):.0f} CPU s",
-            highlight=False,
-        )
-    return len(todo)
-
-
-# A weight-noise average's shift scores: at severity 3 (the report's), beside the clean set.
-WEIGHT_NOISE_SEVERITY = 3
-WEIGHT_NOISE_FILE = "weight_noise.json"  # a run's artifact: each scale's validation NLL
-
-
-def score_weight_noise_averaging(pipeline: BenchmarkPipeline, tracker: Tracker, parent: str) -> int:
-    """For every completed point-estimate run not scored with them, the pipeline's
-    ``weight_noise_scales`` scores from its stored weights (`dpivon.evaluation.weight_noise`):
-    the scale the validation split prefers (``weight_noise_scale``, 0: none) and the test
-    metrics of that average as ``test_wna_*`` (with the shift set, ``test_wna_shift_s3_*``).
-    A run scored with other scales is scored again (its latest values are the report's).
-    An evaluation, no retraining. Returns how many runs were scored."""
-    if not pipeline.weight_noise_scales:
-        return 0
-    grid = {f"{s:g}" for s in (0.0, *pipeline.weight_noise_scales)}
-
-    def scored(run) -> bool:
-        if "weight_noise_scale" not in run.data.metrics:
-            return False
-        record = tracker.load_dict(run.info.run_id, WEIGHT_NOISE_FILE) or {}
-        return set(record.get("validation_nll", {})) == grid
-
-    existing = tracker.child_runs_by_tag(parent, KEY_TAG)
-    todo = [
-        (spec, existing[spec.key])
-        for spec in pipeline.runs
-        if spec.key in existing
-        and is_completed(existing[spec.key])
-        and not isinstance(spec.config.optimizer, IVONOptions)
-        and not scored(existing[spec.key])
-    ]
-    data = load_data(todo[0][0].config) if todo else None
-    shift_set = SHIFT_SETS.get(pipeline.shift)
-    if shift_set is not None:
-        shift_set = replace(shift_set, severities=(WEIGHT_NOISE_SEVERITY,))
-    for number, (spec, run) in enumerate(todo, 1):
-        if (stored := _stored_model(pipeline, spec, "weight-noise scores")) is None:
-            continue
-        config, model, _ = stored
-        choice = choose_weight_noise(config, model, data.val, pipeline.weight_noise_scales)
-        posterior = weight_noise_posterior(model, choice.scale)
-        test = evaluate_as_configured(config, model, data.test, posterior).metrics
-        scores = {f"test_wna_{k}": test[k] for k in ("accuracy", "nll", "ece", "brier")}
-        if shift_set is not None:
-            shifted = evaluate_shift_as_configured(
-                config, model, posterior, data.test_images, shift_set
-            ).by_severity()
-            at = f"shift_s{WEIGHT_NOISE_SEVERITY}"
-            scores.update({f"test_wna_{at}_{k}": shifted[f"{at}_{k}"] for k in ("accuracy", "ece")})
-        tracker.log_metrics(
-            run.info.run_id,
-            {**scores, "weight_noise_scale": choice.scale},
-            step=config.training.epochs,
-        )
-        tracker.log_dict(
-            run.info.run_id,
-            {"validation_nll": {f"{s:g}": v for s, v in choice.validation_nll.items()}},
-            WEIGHT_NOISE_FILE,
-        )
-        console.print(
-            f"scored {spec.key} averaged over weight noise ({number}/{len(todo)}): scale "
-            f"{choice.scale:g} of {', '.join(f'{s:g}' for s in choice.validation_nll)}",
-            highlight=False,
-        )
-    return len(todo)
 
 
 def report_benchmark(
