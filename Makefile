@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CIFAR-10 copy beside the checkout, unless DPIVON_DATA already points somewhere.
-DPIVON_DATA ?= $(firstword $(wildcard ../shared/data/cifar10-jpeg.tar.gz))
+DPIVON_DATA ?= $(abspath $(firstword $(wildcard ../shared/data/cifar10-jpeg.tar.gz)))
 export DPIVON_DATA
 
 .PHONY: quickstart test test-fast lint venv ui clean clean-venv

@@ -32,7 +32,7 @@ from dpivon.errors import DpivonError
 from dpivon.logs import quiet_known_output
 from dpivon.orchestration.interrupts import Interrupted
 from dpivon.paths import check_writable, named_data_path
-from dpivon.process import configure_process, preload_jemalloc
+from dpivon.process import allocator, configure_process, preload_jemalloc
 from dpivon.tracking.layout import KIND_TAG, RunKind
 
 if TYPE_CHECKING:  # dpivon.evaluation.shift loads torchvision: imported where a command needs it
@@ -731,7 +731,8 @@ def evaluate(
     check_bound(Seed, "--seed", seed)
     if json_path is not None:
         check_writable(json_path, "--json")
-    named = named_data_path(data_path)  # a named source that does not exist: refused here
+    if data_path is not None:  # a given path that does not exist: refused before the model
+        named_data_path(data_path)
     config, model, posterior = load_scored_model(model_uri, tracking_uri, trust_model_code)
     synthetic = config.data.dataset == "synthetic"
     if synthetic and data_path is not None:
@@ -739,6 +740,7 @@ def evaluate(
             f"--data-path {data_path} names CIFAR-10, but {model_uri} was trained on synthetic "
             "images and is scored on its own synthetic test set: drop --data-path"
         )
+    named = None if synthetic else named_data_path(data_path)  # or $DPIVON_DATA
     origin = f" from {named[0]}" if named else " from the cache"
     source = "synthetic test images" if synthetic else f"CIFAR-10 test images{origin}"
     test = load_test_images(
@@ -795,6 +797,8 @@ def main() -> None:
     try:
         if len(sys.argv) > 1 and "--help" not in sys.argv[1:]:
             preload_jemalloc()
+        else:
+            allocator()  # a help request restarts on none, but a bad choice is still said
     except DpivonError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -15,6 +15,7 @@ import os
 import stat
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from dpivon.errors import DpivonError
@@ -152,3 +153,16 @@ def named_data_path(path: str | Path | None) -> tuple[Path, str] | None:
     if not named.exists():
         raise DpivonError(f"{origin} {named} does not exist; {DATA_HOW_TO_FIX}")
     return named, origin
+
+
+REDACTED = "***"
+
+
+def redact_uri(uri: str) -> str:
+    """The URI with any password replaced by ``***``: what consoles, state files and
+    tags may show (``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``)."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:{REDACTED}@{host}"))

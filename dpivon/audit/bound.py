@@ -128,20 +128,22 @@ def audit_scores(
 
 # --- the Gaussian analysis -----------------------------------------------------------------
 
+MAX_EXP = 700.0  # exp of more overflows a float
+
 
 def clt_mu(sample_rate: float, noise_multiplier: float, steps: int) -> float:
     """mu of ``steps`` Poisson-subsampled Gaussian steps by the central limit theorem of Bu,
     Dong, Long & Su (2020): q sqrt(T (e^{1/sigma^2} - 1)); infinite without noise."""
-    if noise_multiplier == 0.0:
+    if noise_multiplier == 0.0 or noise_multiplier**-2 > MAX_EXP:
         return math.inf
     return sample_rate * math.sqrt(steps * math.expm1(noise_multiplier**-2))
 
 
 def gdp_delta(mu: float, epsilon: float) -> float:
     """delta(epsilon) of mu-Gaussian DP (Dong, Roth & Su 2022, Corollary 2.13)."""
-    return float(
-        norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2)
-    )
+    # e^epsilon Phi(b) as exp(epsilon + log Phi(b)): finite where e^epsilon alone overflows
+    tail = math.exp(min(epsilon + float(norm.logcdf(-epsilon / mu - mu / 2)), MAX_EXP))
+    return float(norm.cdf(-epsilon / mu + mu / 2) - tail)
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

@@ -54,8 +54,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from dpivon.errors import DpivonError, first_line
-from dpivon.paths import check_writable_folder
-from dpivon.tracking.client import redact_uri
+from dpivon.paths import check_writable_folder, redact_uri
 
 __all__ = ["ResultsStorage", "local_copy", "open_uri"]
 

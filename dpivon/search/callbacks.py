@@ -23,6 +23,7 @@ from rich.console import Console
 from dpivon.constraints import NonNegativeFloat, check_bound
 from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage
+from dpivon.paths import REDACTED, redact_uri
 from dpivon.search.progress import trial_error
 from dpivon.search.results import CHECKPOINT_TAG, GROUP_TAG, STATUS_TAG, TRIAL_TAG, outcome_recorded
 from dpivon.search.trial import (
@@ -32,7 +33,7 @@ from dpivon.search.trial import (
     REPLAYED,
     TRIAL_CONFIG,
 )
-from dpivon.tracking.client import REDACTED, Tracker, check_tracking_server, redact_uri
+from dpivon.tracking.client import Tracker, check_tracking_server
 from dpivon.tracking.layout import ERROR_TAG, RunOutcome
 
 # The driver's real tracking URI (with any password), for callbacks restored from storage.

@@ -35,6 +35,7 @@ from dpivon.config import parse_config
 from dpivon.data import DataSplits
 from dpivon.orchestration.run_file import Resources
 from dpivon.orchestration.storage import ResultsStorage
+from dpivon.paths import redact_uri
 from dpivon.privacy.noise import noise_tags
 from dpivon.process import enter_ray_worker
 from dpivon.search.callbacks import MlflowTrialLogger, RecordedTrials
@@ -43,7 +44,6 @@ from dpivon.search.progress import SweepProgress
 from dpivon.search.results import BUDGET_TAG, GROUP_TAG, group_name
 from dpivon.search.space import SearchSpace
 from dpivon.search.trial import COMPLETE, DIVERGED, GROUP_KEY, RecordedOutcome, run_trial
-from dpivon.tracking.client import redact_uri
 from dpivon.tracking.layout import EPSILON_TAG, OPTIMIZER_TAG
 
 if TYPE_CHECKING:

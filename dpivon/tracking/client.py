@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from dpivon.errors import DpivonError, first_line
-from dpivon.paths import check_regular_file, check_writable
+from dpivon.paths import check_regular_file, check_writable, redact_uri
 from dpivon.tracking.layout import ERROR_LIMIT, ERROR_TAG
 
 if TYPE_CHECKING:
@@ -52,19 +52,6 @@ def resolve_tracking_uri(uri: str | None) -> str:
     except ValueError as err:  # MLflow and redact_uri would fail later on it, unnamed
         raise DpivonError(f"{source} {uri!r} is not a valid URI: {err}") from None
     return uri
-
-
-REDACTED = "***"
-
-
-def redact_uri(uri: str) -> str:
-    """The URI with any password replaced by ``***``: what consoles, state files and
-    tags may show (``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``)."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:{REDACTED}@{host}"))
 
 
 def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
