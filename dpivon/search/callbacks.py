@@ -24,7 +24,9 @@ from dpivon.constraints import NonNegativeFloat, check_bound
 from dpivon.errors import DpivonError, first_line
 from dpivon.orchestration.storage import ResultsStorage
 from dpivon.paths import REDACTED, redact_uri
-from dpivon.search.progress import trial_error
+
+# SweepProgress lived here and a saved Tune state names it here: importable for resumes
+from dpivon.search.progress import SweepProgress, trial_error  # noqa: F401
 from dpivon.search.results import CHECKPOINT_TAG, GROUP_TAG, STATUS_TAG, TRIAL_TAG, outcome_recorded
 from dpivon.search.trial import (
     COMPLETE,

@@ -23,6 +23,9 @@ SWEEP_DIR_TAG = "dpivon.sweep_dir"  # on the parent: the sweep's folder when it 
 BUDGET_TAG = "dpivon.budget"  # a trial's group budget; its EPSILON_TAG is what it spends
 # What a trial spent, in stores written before EPSILON_TAG said so (it held the budget then)
 TRIAL_EPSILON_TAG = "dpivon.trial_epsilon"
+# The outcome's earlier name: a sweep's saved Tune state (its queued MLflow writes) may hold
+# members pickled under it, which a resume reads back as RunOutcome members.
+TrialStatus = RunOutcome
 
 
 def group_name(optimizer: str, epsilon: float) -> str:
