@@ -550,6 +550,10 @@ def audit(
 
 # A model folder whose loader or code differs from the installed dpivon's is refused
 # (dpivon.tracking.model_trust): loading it would run that code.
+ModelTrackingUri = Opt[
+    str | None,
+    typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
+]
 TrustModelCode = Opt[
     bool,
     typer.Option(
@@ -577,10 +581,7 @@ def predict(
         bool, typer.Option(help="a .npy batch of floats already CIFAR-normalised")
     ] = False,
     trust_model_code: TrustModelCode = False,
-    tracking_uri: Opt[
-        str | None,
-        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
-    ] = None,
+    tracking_uri: ModelTrackingUri = None,
 ) -> None:
     """Classify images with a logged model: class, probability, entropy (and, for the IVON
     family, the mutual information across posterior draws) per image."""
@@ -621,10 +622,7 @@ def serve(
     host: Opt[str, typer.Option(help="the address to listen on")] = "127.0.0.1",
     port: Opt[int, typer.Option(min=1, max=65535, help="the port to listen on")] = 5001,
     trust_model_code: TrustModelCode = False,
-    tracking_uri: Opt[
-        str | None,
-        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
-    ] = None,
+    tracking_uri: ModelTrackingUri = None,
 ) -> None:
     """Serve a logged model over REST (MLflow's scoring server in this environment: POST
     images to /invocations) until Ctrl-C or SIGTERM, once its code is checked."""
@@ -704,10 +702,7 @@ def evaluate(
     seed: Opt[int, typer.Option(min=0, help="seed of the posterior draws")] = 0,
     json_path: Opt[Path | None, typer.Option("--json", help="write every number here")] = None,
     trust_model_code: TrustModelCode = False,
-    tracking_uri: Opt[
-        str | None,
-        typer.Option(help="MLflow URI for runs:/ and models:/ (default sqlite:///mlflow.db)"),
-    ] = None,
+    tracking_uri: ModelTrackingUri = None,
 ) -> None:
     """Score a logged or saved model under dataset shift, without retraining: accuracy, NLL,
     ECE, selective prediction (AURC, accuracy at 90 % and 80 % coverage) and error detection
